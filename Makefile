@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# torch==2.13.0 is installed first: a looser torch spec would pull a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fxgrad-installed
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) examples/quickstart.py
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not inductor and not slow"
+
+bench: setup
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,34 @@
+"""fxgrad: gradient policies compiled into the backward graph.
+
+    import torch, fxgrad
+
+    policy = fxgrad.chain(fxgrad.rescale(alpha=0.5), fxgrad.clip_by_global_norm(1.0))
+    model = torch.compile(model, backend=fxgrad.backend(policy))
+    print(fxgrad.explain(eager_model, x, backend=fxgrad.backend(policy)))
+"""
+
+from fxgrad.backend import Backend, backend
+from fxgrad.base import Leaf, Route, Transform
+from fxgrad.compose import by_name, by_type, chain
+from fxgrad.coverage import CoverageError, CoverageWarning
+from fxgrad.layers import DEFAULT_SKIP, Layer
+from fxgrad.transforms import clip_by_global_norm, clip_by_norm, clip_by_value, rescale
+
+__all__ = [
+    "DEFAULT_SKIP",
+    "Backend",
+    "CoverageError",
+    "CoverageWarning",
+    "Layer",
+    "Leaf",
+    "Route",
+    "Transform",
+    "backend",
+    "by_name",
+    "by_type",
+    "chain",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "rescale",
+]

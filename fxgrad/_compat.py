@@ -1,0 +1,157 @@
+"""Every private torch API fxgrad touches, in one place.
+
+fxgrad is tested against torch 2.13. When torch moves, this is the only module
+that should need to change; the facts it relies on are listed in
+``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch._dynamo  # noqa: F401  (registers torch._dynamo.* submodules)
+import torch._dynamo.symbolic_convert as _symbolic_convert
+import torch._functorch.config as _functorch_config
+import torch._inductor.compile_fx as _compile_fx
+import torch._inductor.metrics as _inductor_metrics
+from torch._dynamo.backends.common import aot_autograd as _aot_autograd
+from torch._guards import detect_fake_mode as _detect_fake_mode
+from torch._inductor.decomposition import select_decomp_table
+
+__all__ = [
+    "aot_eager_compile",
+    "autograd_cache_bypassed",
+    "compile_id",
+    "current_frame_scope",
+    "detect_fake_mode",
+    "generated_kernel_count",
+    "inductor_compile",
+    "inductor_decompositions",
+    "reset_dynamo",
+    "reset_kernel_count",
+    "source_chain",
+]
+
+Compiler = Callable[[torch.fx.GraphModule, list], Any]
+BackwardRewrite = Callable[[torch.fx.GraphModule], None]
+
+
+def inductor_decompositions() -> dict:
+    """The decomposition table Inductor lowers with.
+
+    Rules are traced with it so that they only contain ops Inductor accepts
+    (inserting e.g. ``aten.clamp`` undecomposed fails with "both a fallback and a
+    decomp for same op").
+    """
+    return select_decomp_table()
+
+
+def detect_fake_mode(values: list) -> Any:
+    """The FakeTensorMode that owns ``values`` (the ``meta["val"]`` of graph nodes)."""
+    return _detect_fake_mode(values)
+
+
+def inductor_compile(
+    gm: torch.fx.GraphModule, example_inputs: list, rewrite_backward: BackwardRewrite
+) -> Any:
+    """Compile with Inductor, calling ``rewrite_backward(bw_gm)`` on the backward graph.
+
+    The hook runs on the decomposed backward graph before Inductor's
+    post-grad passes, scheduling and fusion, so inserted ops are fused.
+    """
+
+    def inner_compile(graph: torch.fx.GraphModule, inputs: list, **kwargs: Any) -> Any:
+        if kwargs.get("is_backward"):
+            rewrite_backward(graph)
+        return _compile_fx.compile_fx_inner(graph, inputs, **kwargs)
+
+    return _compile_fx.compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def aot_eager_compile(
+    gm: torch.fx.GraphModule, example_inputs: list, rewrite_backward: BackwardRewrite
+) -> Any:
+    """AOTAutograd without codegen: both graphs run as plain FX code."""
+    from functorch.compile import make_boxed_func
+
+    def forward_compiler(graph: torch.fx.GraphModule, inputs: list) -> Any:
+        return make_boxed_func(graph.forward)
+
+    def backward_compiler(graph: torch.fx.GraphModule, inputs: list) -> Any:
+        rewrite_backward(graph)
+        return make_boxed_func(graph.forward)
+
+    backend = _aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
+    return backend(gm, example_inputs)
+
+
+@contextlib.contextmanager
+def autograd_cache_bypassed() -> Iterator[None]:
+    """Keep AOTAutograd's on-disk cache out of one compile.
+
+    That cache is keyed on the forward (Dynamo) graph, not on the rewritten
+    backward, so with it another policy's backward could come back from disk.
+    Inductor's FX graph cache still applies: it is keyed on the graph after
+    fxgrad's rewrite.
+    """
+    with _functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
+        yield
+
+
+def current_frame_scope() -> tuple[dict, dict] | None:
+    """``(f_locals, f_globals)`` of the frame Dynamo is compiling, if any."""
+    tx = getattr(_symbolic_convert.tls, "current_tx", None)
+    if tx is None:
+        return None
+    return tx.f_locals, tx.f_globals
+
+
+def source_chain(placeholder: torch.fx.Node) -> list[str]:
+    """Names of a Dynamo placeholder's source and of its ancestors, root first.
+
+    E.g. ``["L['self']", "L['self']._modules['fc1']", ...]``. Each name is a
+    Python expression over ``L`` (the frame's locals) and ``G`` (its globals).
+    """
+    grapharg = placeholder.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    names = []
+    while source is not None:
+        names.append(source.name)
+        source = getattr(source, "base", None)
+    return names[::-1]
+
+
+def compile_id(gm: torch.fx.GraphModule) -> tuple[int | None, int | None]:
+    """``(frame_id, frame_compile_id)`` of a Dynamo graph.
+
+    Graphs of one frame compile are parts of one forward (graph breaks split
+    a frame into several); a new ``frame_compile_id`` is a recompile.
+    """
+    cid = gm.meta.get("dynamo_compile_id")
+    return (getattr(cid, "frame_id", None), getattr(cid, "frame_compile_id", None))
+
+
+def generated_kernel_count() -> int:
+    """Kernels Inductor generated since the last :func:`reset_kernel_count`."""
+    return _inductor_metrics.generated_kernel_count
+
+
+def reset_kernel_count() -> None:
+    _inductor_metrics.reset()
+
+
+def reset_dynamo() -> None:
+    """Forget every compiled frame (tests use it between cases)."""
+    torch._dynamo.reset()
+
+
+def rnn_capture_enabled() -> bool:
+    """Whether Dynamo traces ``nn.RNN``/``nn.LSTM``/``nn.GRU`` (off by default)."""
+    return bool(torch._dynamo.config.allow_rnn)
+
+
+def dynamo_config() -> Any:
+    """``torch._dynamo.config``, for the settings fxgrad documents."""
+    return torch._dynamo.config

@@ -1,0 +1,43 @@
+"""Argument checks shared by the transform factories.
+
+Every check raises ``TypeError`` or ``ValueError`` whose message starts with
+the argument's name, at construction time.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+
+def real_number(name: str, value: Any) -> float:
+    """``value`` as a float; ``TypeError`` for bools, strings, tensors, ..."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    result = float(value)
+    if math.isnan(result):
+        raise ValueError(f"{name} must not be NaN")
+    return result
+
+
+def positive(name: str, value: Any, *, allow_inf: bool = True) -> float:
+    """A number > 0 (``inf`` allowed unless ``allow_inf=False``)."""
+    result = real_number(name, value)
+    if result <= 0 or (not allow_inf and math.isinf(result)):
+        bound = "a positive finite number" if not allow_inf else "a positive number"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return result
+
+
+def non_negative(name: str, value: Any) -> float:
+    """A finite number >= 0."""
+    result = real_number(name, value)
+    if result < 0 or math.isinf(result):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return result
+
+
+def norm_type(value: Any) -> float:
+    """A p-norm order: any p > 0, or ``inf``."""
+    return positive("norm_type", value)

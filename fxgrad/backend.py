@@ -1,0 +1,253 @@
+"""The ``torch.compile`` backend that rewrites backward graphs.
+
+    >>> import torch, fxgrad
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
+    >>> compiled = backend.compile(model)          # or torch.compile(model, backend=backend)
+    >>> compiled(torch.randn(2, 4)).sum().backward()
+    >>> [graph.routes[0].label for graph in backend.graphs]
+    ['clip_by_global_norm(max_norm=1.0) on [0, 1]']
+
+For every graph Dynamo hands it, the backend records which inputs are which
+parameters, then compiles with Inductor (or AOTAutograd's eager runner). When
+AOTAutograd builds the backward graph, fxgrad plans the policy over that
+graph's layers, checks coverage, and splices the traced rules in before
+Inductor lowers and fuses the graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+import passes
+from fxgrad import _compat
+from fxgrad.base import Transform
+from fxgrad.capture import CapturedGraph, Root, capture
+from fxgrad.coverage import FATAL_ADVICE, CoverageError, CoverageWarning, Gap, find_gaps, rnn_hint
+from fxgrad.layers import DEFAULT_SKIP, Layer, ParamRow, SkipEntry, build_layers, validate_skip
+from fxgrad.plan import GraphPlan, model_rows, plan_graph
+from fxgrad.rewrite import rewrite_backward
+
+COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
+
+
+class Backend:
+    """A ``torch.compile`` backend applying a gradient policy inside the backward graph.
+
+    Build it with :func:`fxgrad.backend`. ``graphs`` lists every graph compiled
+    so far, with the backward code before and after the rewrite.
+    """
+
+    def __init__(
+        self,
+        transform: Transform | None = None,
+        *,
+        skip: Iterable[SkipEntry] = DEFAULT_SKIP,
+        compiler: str = "inductor",
+        strict: bool = True,
+    ) -> None:
+        if transform is not None and not isinstance(transform, Transform):
+            raise TypeError(
+                f"transform must be an fxgrad transform or None, got {transform!r} "
+                f"({type(transform).__name__})"
+            )
+        if compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {sorted(COMPILERS)}, got {compiler!r}")
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool, got {strict!r}")
+        self.transform = transform
+        self.skip: tuple[SkipEntry, ...] = validate_skip(skip)
+        self.compiler = compiler
+        self.strict = strict
+        self.graphs: list[CapturedGraph] = []
+        self._roots: dict[int, Root] = {}
+        self._forward_order: list[str] = []
+        self._reported: set[str] = set()
+
+    def __repr__(self) -> str:
+        skip = "" if self.skip == DEFAULT_SKIP else f", skip={self.skip!r}"
+        strict = "" if self.strict else ", strict=False"
+        return f"fxgrad.backend({self.transform!r}{skip}, compiler={self.compiler!r}{strict})"
+
+    # ------------------------------------------------------------ compiling
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        graph = capture(gm, example_inputs, len(self.graphs), self._roots)
+        self.graphs.append(graph)
+        for param in graph.params:
+            if param.layer not in self._forward_order:
+                self._forward_order.append(param.layer)
+        rewrite = functools.partial(self._rewrite_backward, graph)
+        with _compat.autograd_cache_bypassed():
+            return COMPILERS[self.compiler](gm, example_inputs, rewrite)
+
+    def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
+        """``torch.compile(model, backend=self, **compile_kwargs)``, plus a check.
+
+        After the first forward, it verifies that some graph of ``model``
+        reached this backend. If none did (e.g. an ``nn.LSTM`` model under
+        Dynamo's default ``allow_rnn=False`` runs entirely eagerly), the policy
+        would do nothing: it warns, or raises :class:`fxgrad.CoverageError`
+        when ``strict`` and the policy reduces across layers.
+        """
+        compiled = torch.compile(model, backend=self, **compile_kwargs)
+        handle = None
+
+        def check_once(module: nn.Module, args: Any, output: Any) -> None:
+            handle.remove()
+            self._check_model_reached(model)
+
+        handle = compiled.register_forward_hook(check_once)
+        return compiled
+
+    def _rewrite_backward(self, graph: CapturedGraph, gm: torch.fx.GraphModule) -> None:
+        outputs = passes.gradient_outputs(gm, graph.num_inputs)
+        has_grad = {i for i, node in enumerate(outputs) if node is not None}
+        plan = plan_graph(self.transform, graph, has_grad, self._forward_order, self.skip)
+        if self.transform is not None:
+            self._check_coverage(graph, plan, has_grad)
+        graph.backward_before = gm.code
+        graph.routes = plan.active_routes()
+        graph.plan = plan
+        rewrite_backward(gm, plan, outputs)
+        graph.backward_after = gm.code
+
+    # ------------------------------------------------------------ coverage
+
+    def model_layers(self, graph: CapturedGraph, has_grad: set[int]) -> tuple[list[Layer], list[Layer]]:
+        """``(trainable, frozen)`` layers of the models ``graph`` belongs to.
+
+        Parameters present in ``graph`` without a gradient are left out: eager
+        PyTorch gives them no gradient either.
+        """
+        no_grad = {p.name for p in graph.params if p.index not in has_grad}
+        trainable: list[ParamRow] = []
+        frozen: list[ParamRow] = []
+        for key in dict.fromkeys(p.root for p in graph.params if p.root is not None):
+            root = self._roots[key]
+            model = root.module()
+            if model is not None:
+                rows, frozen_rows = model_rows(model, root.prefix)
+                trainable += [row for row in rows if row.param not in no_grad]
+                frozen += frozen_rows
+        trainable += [
+            ParamRow(p.layer, p.name, p.module_type, p.numel)
+            for p in graph.params
+            if p.root is None and p.index in has_grad
+        ]
+        frozen_layers = {row.layer for row in frozen} - {row.layer for row in trainable}
+        frozen = [row for row in frozen if row.layer in frozen_layers]
+        order, skip = self._forward_order, self.skip
+        return build_layers(trainable, order, skip), build_layers(frozen, order, skip)
+
+    def _check_coverage(self, graph: CapturedGraph, plan: GraphPlan, has_grad: set[int]) -> None:
+        trainable, frozen = self.model_layers(graph, has_grad)
+        intended = self.transform.routes(trainable)
+        gaps = find_gaps(intended, plan.routes, self._shared_layers(graph, has_grad))
+        locate = functools.partial(self.locate, graph)
+        graph.gaps = gaps
+        fatal = [gap for gap in gaps if gap.fatal]
+        if fatal:
+            text = "\n".join(gap.describe(locate) for gap in fatal)
+            message = f"fxgrad: {text}\n{FATAL_ADVICE}{rnn_hint(_layers_of(fatal))}"
+            if self.strict:
+                raise CoverageError(message)
+            self._warn(message)
+        for gap in gaps:
+            if not gap.fatal:
+                self._warn(f"fxgrad: {gap.describe(locate)}{rnn_hint(gap.layers)}")
+        targeted = {name for route in self.transform.routes(frozen) for name in route.names}
+        frozen_targeted = [layer for layer in frozen if layer.name in targeted]
+        if frozen_targeted:
+            names = ", ".join(layer.name for layer in frozen_targeted[:20])
+            more = f" and {len(frozen_targeted) - 20} more" if len(frozen_targeted) > 20 else ""
+            self._warn(
+                f"fxgrad: {len(frozen_targeted)} layers the policy targets are frozen "
+                f"(requires_grad=False) and get no gradient: {names}{more}"
+            )
+
+    def _parts_of_same_forward(self, graph: CapturedGraph) -> list[CapturedGraph]:
+        """Other graphs that run in the same forward as ``graph``.
+
+        A graph break continues the forward in a new frame (a new frame id);
+        a recompile of the same frame (same frame id) is an alternative.
+        """
+        frame, _ = graph.compile_id
+        if frame is None:
+            return []
+        return [
+            other
+            for other in self.graphs
+            if other is not graph
+            and (other.compile_id[0] != frame or other.compile_id == graph.compile_id)
+        ]
+
+    def _shared_layers(self, graph: CapturedGraph, has_grad: set[int]) -> set[str]:
+        mine = {p.name: p.layer for p in graph.params if p.index in has_grad}
+        others = {name for part in self._parts_of_same_forward(graph) for name in part.param_names()}
+        return {layer for name, layer in mine.items() if name in others}
+
+    def locate(self, graph: CapturedGraph, layer: str) -> str:
+        """Where a layer missing from ``graph`` is, in words."""
+        parts = self._parts_of_same_forward(graph)
+        if any(p.layer == layer for part in parts for p in part.params):
+            return "in another compiled graph of the same forward (a graph break)"
+        if any(p.layer == layer for other in self.graphs for p in other.params):
+            return "in another compiled graph"
+        return "in no compiled graph: it runs outside torch.compile, or the forward does not use it"
+
+    def _check_model_reached(self, model: nn.Module) -> None:
+        if self.transform is None:
+            return
+        captured = {id(root.module()) for root in self._roots.values()}
+        if id(model) in captured or not any(p.requires_grad for p in model.parameters()):
+            return
+        layers = build_layers(model_rows(model, "")[0], (), self.skip)
+        message = (
+            f"fxgrad: no graph of {type(model).__name__} reached the backend, so torch.compile "
+            f"ran it eagerly and the policy {self.transform!r} does nothing.{rnn_hint(layers)}"
+        )
+        if self.strict and any(route.leaf.scope == "group" for route in self.transform.routes(layers)):
+            raise CoverageError(message)
+        self._warn(message)
+
+    def _warn(self, message: str) -> None:
+        if message not in self._reported:
+            self._reported.add(message)
+            warnings.warn(message, CoverageWarning, stacklevel=3)
+
+
+def _layers_of(gaps: Sequence[Gap]) -> list[Layer]:
+    return [layer for gap in gaps for layer in gap.layers]
+
+
+def backend(
+    transform: Transform | None = None,
+    *,
+    skip: Iterable[SkipEntry] = DEFAULT_SKIP,
+    compiler: str = "inductor",
+    strict: bool = True,
+) -> Backend:
+    """A ``torch.compile`` backend that applies ``transform`` inside the backward graph.
+
+    * ``transform``: the policy (``None`` compiles without rewriting).
+    * ``skip``: layers per-layer transforms leave alone: ``nn.Module`` types
+      and fnmatch patterns matched against class names and layer names.
+      Default :data:`fxgrad.DEFAULT_SKIP` (norm layers); ``skip=()`` turns it off.
+    * ``compiler``: ``"inductor"`` (fused kernels) or ``"aot_eager"`` (runs the
+      rewritten FX graphs as Python; fast to compile, for tests and debugging).
+    * ``strict``: raise :class:`fxgrad.CoverageError` when a transform that
+      reduces across layers would see only part of the model's gradients
+      (graph breaks); ``False`` warns and applies it per graph.
+
+        >>> import torch, fxgrad
+        >>> model = torch.compile(torch.nn.Linear(3, 3),
+        ...                       backend=fxgrad.backend(fxgrad.clip_by_norm(1.0)))
+    """
+    return Backend(transform, skip=skip, compiler=compiler, strict=strict)

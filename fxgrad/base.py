@@ -1,0 +1,81 @@
+"""The transform protocol: what a policy is, and how it picks layers.
+
+A policy is a tree of transforms. Composite transforms (``chain``, ``by_type``,
+``by_name``) only route; *leaf* transforms do the math. Routing a policy over a
+model's layers yields an ordered list of :class:`Route` s, each a leaf and the
+layers it acts on::
+
+    >>> import fxgrad
+    >>> from fxgrad.layers import Layer
+    >>> layers = [Layer("fc", None, ("fc.weight",), 4), Layer("ln", None, ("ln.weight",), 2,
+    ...           skip_reason="is a LayerNorm")]
+    >>> [(repr(r.leaf), r.names) for r in fxgrad.clip_by_norm(1.0).routes(layers)]
+    [('clip_by_norm(max_norm=1.0)', ('fc',))]
+
+Leaves see gradients grouped per layer and return them in the same grouping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Literal, Sequence
+
+import torch
+
+from fxgrad.layers import Layer
+
+Scope = Literal["element", "layer", "group"]
+LayerGrads = list[list[torch.Tensor]]
+
+
+class Transform:
+    """Base class of all policies. Instances are immutable and validated."""
+
+    def routes(self, layers: Sequence[Layer]) -> list[Route]:
+        """The leaves this transform applies, in order, each with its layers.
+
+        A route is returned even when it selects no layer, so the routes of the
+        same policy over two layer lists line up index by index.
+        """
+        raise NotImplementedError
+
+
+class Leaf(Transform):
+    """A transform that computes something.
+
+    ``scope`` says how far its reductions reach: ``"element"`` (none),
+    ``"layer"`` (each layer on its own) or ``"group"`` (across all the layers
+    it is routed to, e.g. a global norm). ``per_layer`` leaves never touch
+    skipped layers; the others (global clipping) cover every layer.
+    """
+
+    scope: ClassVar[Scope] = "layer"
+    per_layer: ClassVar[bool] = True
+
+    def routes(self, layers: Sequence[Layer]) -> list[Route]:
+        if self.per_layer:
+            layers = [layer for layer in layers if layer.skip_reason is None]
+        return [Route(self, tuple(layers))]
+
+    def apply(self, grads: LayerGrads, layers: Sequence[Layer]) -> LayerGrads:
+        """Transform ``grads[i]`` (the gradients of ``layers[i]``); same structure out."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One leaf and the layers it acts on."""
+
+    leaf: Leaf
+    layers: tuple[Layer, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(layer.name for layer in self.layers)
+
+    @property
+    def label(self) -> str:
+        """A short description used to tag the nodes this route inserts."""
+        names = self.names
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} layers)" if len(names) > 4 else "")
+        return f"{self.leaf!r} on [{shown}]"

@@ -1,0 +1,140 @@
+"""What fxgrad learns from a Dynamo graph: which inputs are which parameters.
+
+Dynamo lifts parameters to graph inputs; each placeholder names its source
+(``L['self']._modules['fc1']._parameters['weight']``) and the backend receives
+the real parameter tensors. fxgrad resolves each source's root object in the
+frame being compiled; when it is an ``nn.Module`` (the compiled model, or a
+model the compiled function uses), the parameter is mapped to its first owner
+in that model's ``named_modules()`` order.
+
+A parameter whose root is not a module (a bare tensor argument) becomes a
+layer of its own, named after its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import weakref
+from typing import Sequence
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from fxgrad import _compat
+from fxgrad.layers import Owner, parameter_owners
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """A forward-graph input that is a parameter.
+
+    ``index`` is its position among the graph's inputs, which is also the
+    position of its gradient among the backward graph's outputs.
+    """
+
+    index: int
+    layer: str
+    name: str
+    module_type: type | None
+    numel: int
+    root: int | None  # id() of the model it belongs to, None for a loose tensor
+
+
+@dataclasses.dataclass
+class Root:
+    """A model whose parameters appear in compiled graphs.
+
+    ``prefix`` qualifies its layer names. It is empty, so names match
+    ``model.named_modules()``, unless the graph that first saw the model used
+    several models (a GAN step, say): then it is the variable name.
+    """
+
+    module: weakref.ref
+    prefix: str
+
+
+@dataclasses.dataclass
+class CapturedGraph:
+    """One Dynamo graph as fxgrad saw it, and what fxgrad did to its backward."""
+
+    number: int
+    compile_id: tuple[int | None, int | None]
+    num_inputs: int
+    params: list[ParamSlot]
+    backward_before: str | None = None
+    backward_after: str | None = None
+    routes: list = dataclasses.field(default_factory=list)
+
+    def param_names(self) -> set[str]:
+        return {p.name for p in self.params}
+
+
+_SIMPLE_SOURCE = re.compile(r"^[LG]\['([^']+)'\]$")
+
+
+def capture(
+    gm: torch.fx.GraphModule, example_inputs: Sequence, number: int, roots: dict[int, Root]
+) -> CapturedGraph:
+    """Map ``gm``'s parameter inputs to layers; new models are added to ``roots``."""
+    if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+        raise NotImplementedError(
+            "fxgrad needs parameters as graph inputs; keep "
+            "torch._dynamo.config.inline_inbuilt_nn_modules = True (the default)"
+        )
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise RuntimeError(
+            f"graph has {len(placeholders)} inputs but the backend got {len(example_inputs)} values"
+        )
+    scope = _compat.current_frame_scope()
+    found = []
+    for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(value, nn.Parameter):
+            chain = _compat.source_chain(node)
+            found.append((index, value, chain, _find_root(chain, scope)))
+    modules = {id(root): (root, chain[0]) for _, _, chain, root in found if root is not None}
+    for key, (module, source) in modules.items():
+        if key not in roots:
+            prefix = _variable_name(source) if len(modules) > 1 else ""
+            roots[key] = Root(weakref.ref(module), prefix)
+    owners = {key: parameter_owners(module, roots[key].prefix) for key, (module, _) in modules.items()}
+    params = []
+    for index, value, chain, root in found:
+        owner = owners[id(root)].get(id(value)) if root is not None else None
+        if owner is None:
+            name = chain[-1] if chain else f"input{index}"
+            owner, root = Owner(name, name, None, value), None
+        params.append(
+            ParamSlot(
+                index=index,
+                layer=owner.layer,
+                name=owner.param,
+                module_type=type(owner.module) if owner.module is not None else None,
+                numel=value.numel(),
+                root=id(root) if root is not None else None,
+            )
+        )
+    return CapturedGraph(number, _compat.compile_id(gm), len(placeholders), params)
+
+
+def _find_root(chain: list[str], scope: tuple[dict, dict] | None) -> nn.Module | None:
+    """The outermost module on a source chain, evaluated in the compiled frame."""
+    if scope is None:
+        return None
+    namespace = {"L": scope[0], "G": scope[1], "__builtins__": {}}
+    for name in chain[:-1]:
+        try:
+            value = eval(name, namespace)  # noqa: S307 - Dynamo source names are lookups
+        except Exception:
+            continue
+        if isinstance(value, nn.Module):
+            return value
+    return None
+
+
+def _variable_name(source_name: str) -> str:
+    """``model`` for ``L['model']`` or ``G['model']``."""
+    match = _SIMPLE_SOURCE.match(source_name)
+    return match.group(1) if match else source_name

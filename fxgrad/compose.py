@@ -1,0 +1,153 @@
+"""Composing transforms: ``chain``, ``by_type`` and ``by_name``.
+
+    >>> import torch.nn as nn, fxgrad
+    >>> fxgrad.by_type({nn.LSTM: fxgrad.clip_by_norm(0.5)}, default=fxgrad.clip_by_norm(1.0))
+    by_type({LSTM: clip_by_norm(max_norm=0.5)}, default=clip_by_norm(max_norm=1.0))
+
+Routers (``by_type``, ``by_name``) hand each non-skipped layer to the first
+matching entry, in mapping order; ``default`` gets the rest (``None`` leaves
+them untouched). A group-scoped transform under a router, such as
+``clip_by_global_norm``, reduces over the layers routed to it: that is
+clipping per layer type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Mapping, Sequence
+
+import torch.nn as nn
+
+from fxgrad.base import Route, Transform
+from fxgrad.layers import Layer
+
+
+def _check_transform(argument: str, value: Any) -> Transform:
+    if not isinstance(value, Transform):
+        raise TypeError(
+            f"{argument} must be an fxgrad transform (e.g. fxgrad.clip_by_norm(1.0)), "
+            f"got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Chain(Transform):
+    """See :func:`chain`."""
+
+    transforms: tuple[Transform, ...]
+
+    def __repr__(self) -> str:
+        return f"chain({', '.join(map(repr, self.transforms))})"
+
+    def routes(self, layers: Sequence[Layer]) -> list[Route]:
+        return [route for t in self.transforms for route in t.routes(layers)]
+
+
+def chain(*transforms: Transform) -> Chain:
+    """Apply ``transforms`` one after the other, each to the previous one's output.
+
+        >>> import fxgrad
+        >>> fxgrad.chain(fxgrad.clip_by_value(5.0), fxgrad.clip_by_global_norm(1.0))
+        chain(clip_by_value(clip_value=5.0), clip_by_global_norm(max_norm=1.0))
+    """
+    return Chain(tuple(_check_transform(f"chain() argument {i}", t) for i, t in enumerate(transforms)))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Router(Transform):
+    entries: tuple[tuple[Any, Transform], ...]
+    default: Transform | None = None
+
+    name = ""
+
+    def _matches(self, key: Any, layer: Layer) -> bool:
+        raise NotImplementedError
+
+    def _key_repr(self, key: Any) -> str:
+        return repr(key)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{self._key_repr(k)}: {t!r}" for k, t in self.entries)
+        default = f", default={self.default!r}" if self.default is not None else ""
+        return f"{self.name}({{{body}}}{default})"
+
+    def routes(self, layers: Sequence[Layer]) -> list[Route]:
+        groups: list[list[Layer]] = [[] for _ in self.entries]
+        rest: list[Layer] = []
+        for layer in layers:
+            if layer.skip_reason is not None:
+                continue
+            index = next((i for i, (k, _) in enumerate(self.entries) if self._matches(k, layer)), None)
+            (rest if index is None else groups[index]).append(layer)
+        routed = [r for (_, t), group in zip(self.entries, groups) for r in t.routes(group)]
+        if self.default is not None:
+            routed += self.default.routes(rest)
+        return routed
+
+
+class ByType(_Router):
+    """See :func:`by_type`."""
+
+    name = "by_type"
+
+    def _matches(self, key: type, layer: Layer) -> bool:
+        return layer.module_type is not None and issubclass(layer.module_type, key)
+
+    def _key_repr(self, key: type) -> str:
+        return key.__name__
+
+
+class ByName(_Router):
+    """See :func:`by_name`."""
+
+    name = "by_name"
+
+    def _matches(self, key: str, layer: Layer) -> bool:
+        return fnmatch.fnmatchcase(layer.name, key)
+
+
+def _entries(argument: str, mapping: Any, check_key) -> tuple[tuple[Any, Transform], ...]:
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"{argument} must be a dict, got {type(mapping).__name__}")
+    return tuple(
+        (check_key(key), _check_transform(f"{argument}[{key!r}]", value))
+        for key, value in mapping.items()
+    )
+
+
+def _module_type(key: Any) -> type:
+    if isinstance(key, type) and issubclass(key, nn.Module):
+        return key
+    raise TypeError(f"by_type keys must be nn.Module subclasses, got {key!r}; use by_name for patterns")
+
+
+def _pattern(key: Any) -> str:
+    if isinstance(key, str) and key:
+        return key
+    raise TypeError(f"by_name keys must be non-empty fnmatch patterns, got {key!r}")
+
+
+def _default(default: Any) -> Transform | None:
+    return None if default is None else _check_transform("default", default)
+
+
+def by_type(mapping: Mapping[type, Transform], default: Transform | None = None) -> ByType:
+    """Route each layer by ``isinstance`` on its module; the first match wins.
+
+        >>> import torch.nn as nn, fxgrad
+        >>> fxgrad.by_type({nn.Conv2d: fxgrad.rescale(alpha=0.5)})
+        by_type({Conv2d: rescale(alpha=0.5, target='mean')})
+    """
+    return ByType(_entries("mapping", mapping, _module_type), _default(default))
+
+
+def by_name(mapping: Mapping[str, Transform], default: Transform | None = None) -> ByName:
+    """Route each layer by fnmatch of its qualified name; the first match wins.
+
+        >>> import fxgrad
+        >>> fxgrad.by_name({"policy.*": fxgrad.rescale(alpha=0.3), "value.*": fxgrad.rescale(alpha=0.7)})
+        by_name({'policy.*': rescale(alpha=0.3, target='mean'), 'value.*': rescale(alpha=0.7, target='mean')})
+    """
+    return ByName(_entries("mapping", mapping, _pattern), _default(default))

@@ -1,0 +1,97 @@
+"""No silent no-ops: compare what the policy targets with what a graph holds.
+
+fxgrad rewrites one backward graph at a time. A layer the policy targets can be
+missing from it: its module ran outside ``torch.compile`` (a graph break into
+eager code, an ``nn.LSTM`` Dynamo did not capture), it lives in another
+compiled graph (a graph break), or it is frozen. Per-layer transforms then
+skip it: fxgrad warns with the layers named. A transform that reduces across
+layers (``clip_by_global_norm``, ``rescale(target="mean")``) would compute a
+different number than eager PyTorch: fxgrad raises :class:`CoverageError`
+unless the backend has ``strict=False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch.nn as nn
+
+from fxgrad import _compat
+from fxgrad.base import Route
+from fxgrad.layers import Layer
+
+
+class CoverageError(RuntimeError):
+    """A cross-layer transform would see only part of the model's gradients."""
+
+
+class CoverageWarning(UserWarning):
+    """A layer the policy targets gets no fxgrad treatment."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Gap:
+    """Layers one route should reach but cannot, and why."""
+
+    route: str
+    layers: tuple[Layer, ...]
+    problem: str
+    fatal: bool
+
+    def describe(self, locate: Callable[[str], str]) -> str:
+        rows = "\n".join(f"    {layer.name} ({layer.type_name}): {locate(layer.name)}" for layer in self.layers[:20])
+        more = f"\n    ... and {len(self.layers) - 20} more" if len(self.layers) > 20 else ""
+        return f"{self.route} {self.problem}:\n{rows}{more}"
+
+
+def find_gaps(
+    intended: Sequence[Route], actual: Sequence[Route], shared_layers: set[str]
+) -> list[Gap]:
+    """Compare the routes over the whole model with the routes over one graph.
+
+    ``intended`` and ``actual`` come from the same policy, so they line up
+    index by index. ``shared_layers`` are layers with a parameter that another
+    part of the same forward (another graph) also uses.
+    """
+    gaps = []
+    for want, have in zip(intended, actual):
+        have_params = {layer.name: layer.params for layer in have.layers}
+        missing = tuple(layer for layer in want.layers if layer.name not in have_params)
+        present = [layer for layer in want.layers if layer.name in have_params]
+        split = tuple(layer for layer in present if have_params[layer.name] != layer.params)
+        shared = tuple(layer for layer in present if layer.name in shared_layers)
+        route, scope = repr(want.leaf), want.leaf.scope
+        if scope == "group" and (missing or split or shared):
+            gaps.append(Gap(route, _unique(missing + split + shared), "would see only part of its layers", True))
+            continue
+        broken = _unique((split if scope == "layer" else ()) + shared)
+        if broken:
+            gaps.append(Gap(route, broken, "would see only part of a layer's gradient", True))
+        if missing:
+            gaps.append(Gap(route, missing, "is not applied to", False))
+    return gaps
+
+
+def _unique(layers: tuple[Layer, ...]) -> tuple[Layer, ...]:
+    return tuple(dict.fromkeys(layers))
+
+
+def rnn_hint(layers: Sequence[Layer]) -> str:
+    """Advice when uncaptured layers are RNNs that Dynamo skips by default."""
+    if _compat.rnn_capture_enabled():
+        return ""
+    if not any(l.module_type is not None and issubclass(l.module_type, nn.RNNBase) for l in layers):
+        return ""
+    return (
+        "\nDynamo does not capture nn.RNN/nn.LSTM/nn.GRU unless "
+        "torch._dynamo.config.allow_rnn = True; set it before the model's first call."
+    )
+
+
+FATAL_ADVICE = (
+    "Each compiled graph has its own backward, so a norm taken in one graph is not "
+    "the norm over the model. Remove the graph break (torch._dynamo.explain(model)(*args) "
+    "lists them), freeze parameters the forward does not use (requires_grad_(False)), "
+    "or pass strict=False to fxgrad.backend to apply the transform per graph anyway."
+)

@@ -1,0 +1,168 @@
+"""Parameters -> layers, and the norm-layer skip list.
+
+A *layer* is a module that directly owns parameters
+(``module.parameters(recurse=False)``). A parameter belongs to the **first**
+module that owns it in ``model.named_modules()`` order, so tied weights (GPT-2's
+``wte``/``lm_head``) belong to exactly one layer.
+
+    >>> import torch.nn as nn
+    >>> owners = parameter_owners(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))
+    >>> sorted(owner.layer for owner in owners.values())
+    ['0', '0', '1', '1']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Iterable, NamedTuple, Sequence
+
+import torch.nn as nn
+
+SkipEntry = type | str
+
+DEFAULT_SKIP: tuple[SkipEntry, ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    # Norm classes of model zoos that don't subclass torch's (LlamaRMSNorm,
+    # T5LayerNorm, timm's LayerNorm2d, apex's FusedLayerNorm, ...):
+    "*LayerNorm*",
+    "*RMSNorm*",
+    "*GroupNorm*",
+    "*BatchNorm*",
+    "*InstanceNorm*",
+)
+"""Layers that per-layer transforms leave alone: normalization layers.
+
+Rescaling or clipping the gain and bias of a norm layer per layer destabilises
+training (see README, "Why skip norm layers"). Strings are fnmatch patterns
+matched against the class name and against the layer's qualified name.
+Extend it with ``fxgrad.DEFAULT_SKIP + ("lm_head",)``; ``skip=()`` turns it off.
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One layer as the policy sees it.
+
+    ``depth`` is the layer's position in forward order, scaled to [0, 1]
+    (0 = first layer the forward touches). ``skip_reason`` is ``None`` unless
+    the layer matches the skip list.
+    """
+
+    name: str
+    module_type: type | None
+    params: tuple[str, ...]
+    numel: int
+    depth: float = 0.0
+    skip_reason: str | None = None
+
+    @property
+    def type_name(self) -> str:
+        return self.module_type.__name__ if self.module_type is not None else "-"
+
+
+class Owner(NamedTuple):
+    """Where a parameter lives: its layer's qualified name and the module."""
+
+    layer: str
+    param: str  # the parameter's qualified name
+    module: nn.Module | None
+    tensor: nn.Parameter | None
+
+
+def parameter_owners(model: nn.Module, prefix: str = "") -> dict[int, Owner]:
+    """``id(parameter) -> Owner`` for every parameter of ``model``, first owner wins.
+
+    The dict is in ``named_modules()`` order.
+    """
+    owners: dict[int, Owner] = {}
+    for module_name, module in model.named_modules():
+        layer = _join(prefix, module_name)
+        for local_name, param in module._parameters.items():
+            if param is not None and id(param) not in owners:
+                owners[id(param)] = Owner(layer, _join(layer, local_name), module, param)
+    return owners
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def validate_skip(skip: Iterable[SkipEntry]) -> tuple[SkipEntry, ...]:
+    """Check a ``skip=`` argument: module types and fnmatch pattern strings."""
+    if isinstance(skip, (str, type)) or not isinstance(skip, Iterable):
+        raise TypeError(
+            f"skip must be a tuple or list of nn.Module types and name patterns, "
+            f"got {skip!r}; write skip=({skip!r},) for a single entry"
+        )
+    entries = tuple(skip)
+    for entry in entries:
+        if isinstance(entry, str):
+            if not entry:
+                raise ValueError("skip entries must be non-empty patterns, got ''")
+        elif not (isinstance(entry, type) and issubclass(entry, nn.Module)):
+            raise TypeError(
+                f"skip entries must be nn.Module subclasses or fnmatch pattern strings, "
+                f"got {entry!r} ({type(entry).__name__})"
+            )
+    return entries
+
+
+def skip_reason(
+    name: str, module_type: type | None, skip: Sequence[SkipEntry]
+) -> str | None:
+    """Why a layer is skipped, or ``None``. The first matching entry is named."""
+    for entry in skip:
+        if isinstance(entry, str):
+            if module_type is not None and fnmatch.fnmatchcase(module_type.__name__, entry):
+                return f"class {module_type.__name__} matches {entry!r}"
+            if fnmatch.fnmatchcase(name, entry):
+                return f"name matches {entry!r}"
+        elif module_type is not None and issubclass(module_type, entry):
+            return f"is a {entry.__name__}"
+    return None
+
+
+class ParamRow(NamedTuple):
+    layer: str
+    param: str
+    module_type: type | None
+    numel: int
+
+
+def build_layers(
+    rows: Iterable[ParamRow], order: Sequence[str], skip: Sequence[SkipEntry]
+) -> list[Layer]:
+    """Group parameter rows into layers, in the order the rows come.
+
+    ``order`` is the forward order of all layers known for the model; a layer's
+    depth is its index there divided by ``len(order) - 1``.
+    """
+    grouped: dict[str, list[ParamRow]] = {}
+    for row in rows:
+        grouped.setdefault(row.layer, []).append(row)
+    position = {name: i for i, name in enumerate(order)}
+    span = max(len(order) - 1, 1)
+    layers = []
+    for name, members in grouped.items():
+        module_type = members[0].module_type
+        layers.append(
+            Layer(
+                name=name,
+                module_type=module_type,
+                params=tuple(row.param for row in members),
+                numel=sum(row.numel for row in members),
+                depth=position.get(name, 0) / span,
+                skip_reason=skip_reason(name, module_type, skip),
+            )
+        )
+    return layers

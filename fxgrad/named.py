@@ -1,0 +1,2 @@
+def fxgrad_backend(gm, example_inputs, options=None):
+    raise NotImplementedError
