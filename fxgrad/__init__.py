@@ -10,17 +10,21 @@
 from fxgrad.backend import Backend, backend
 from fxgrad.base import Leaf, Route, Transform
 from fxgrad.compose import by_name, by_type, chain
+from fxgrad.config import from_config
 from fxgrad.coverage import CoverageError, CoverageWarning
+from fxgrad.explain import LayerDecision, Report, explain
 from fxgrad.layers import DEFAULT_SKIP, Layer
 from fxgrad.transforms import clip_by_global_norm, clip_by_norm, clip_by_value, rescale
 
 __all__ = [
-    "DEFAULT_SKIP",
     "Backend",
     "CoverageError",
     "CoverageWarning",
+    "DEFAULT_SKIP",
     "Layer",
+    "LayerDecision",
     "Leaf",
+    "Report",
     "Route",
     "Transform",
     "backend",
@@ -30,5 +34,7 @@ __all__ = [
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
+    "explain",
+    "from_config",
     "rescale",
 ]

@@ -29,6 +29,7 @@ import passes
 from fxgrad import _compat
 from fxgrad.base import Transform
 from fxgrad.capture import CapturedGraph, Root, capture
+from fxgrad.graphtext import normalize_code, render_inserted
 from fxgrad.coverage import FATAL_ADVICE, CoverageError, CoverageWarning, Gap, find_gaps, rnn_hint
 from fxgrad.layers import DEFAULT_SKIP, Layer, ParamRow, SkipEntry, build_layers, validate_skip
 from fxgrad.plan import GraphPlan, model_rows, plan_graph
@@ -112,11 +113,17 @@ class Backend:
         plan = plan_graph(self.transform, graph, has_grad, self._forward_order, self.skip)
         if self.transform is not None:
             self._check_coverage(graph, plan, has_grad)
-        graph.backward_before = gm.code
+        graph.backward_before = normalize_code(gm.code)
+        graph.layers = list(plan.layers)
         graph.routes = plan.active_routes()
-        graph.plan = plan
         rewrite_backward(gm, plan, outputs)
-        graph.backward_after = gm.code
+        graph.backward_after = normalize_code(gm.code)
+        names = {p.index: p.name for p in graph.params}
+        graph.inserted = render_inserted(
+            gm,
+            {outputs[slot]: names[slot] for slot in has_grad if slot in names},
+            {names[slot]: gm.graph.output_node().args[0][slot] for slot in sorted(has_grad) if slot in names},
+        )
 
     # ------------------------------------------------------------ coverage
 
@@ -149,19 +156,19 @@ class Backend:
     def _check_coverage(self, graph: CapturedGraph, plan: GraphPlan, has_grad: set[int]) -> None:
         trainable, frozen = self.model_layers(graph, has_grad)
         intended = self.transform.routes(trainable)
-        gaps = find_gaps(intended, plan.routes, self._shared_layers(graph, has_grad))
         locate = functools.partial(self.locate, graph)
+        gaps = find_gaps(intended, plan.routes, self._shared_layers(graph, has_grad), locate)
         graph.gaps = gaps
         fatal = [gap for gap in gaps if gap.fatal]
         if fatal:
-            text = "\n".join(gap.describe(locate) for gap in fatal)
+            text = "\n".join(gap.describe() for gap in fatal)
             message = f"fxgrad: {text}\n{FATAL_ADVICE}{rnn_hint(_layers_of(fatal))}"
             if self.strict:
                 raise CoverageError(message)
             self._warn(message)
         for gap in gaps:
             if not gap.fatal:
-                self._warn(f"fxgrad: {gap.describe(locate)}{rnn_hint(gap.layers)}")
+                self._warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
         targeted = {name for route in self.transform.routes(frozen) for name in route.names}
         frozen_targeted = [layer for layer in frozen if layer.name in targeted]
         if frozen_targeted:
@@ -181,10 +188,12 @@ class Backend:
         frame, _ = graph.compile_id
         if frame is None:
             return []
+        roots = graph.roots()
         return [
             other
             for other in self.graphs
             if other is not graph
+            and other.roots() & roots
             and (other.compile_id[0] != frame or other.compile_id == graph.compile_id)
         ]
 
@@ -224,7 +233,7 @@ class Backend:
 
 
 def _layers_of(gaps: Sequence[Gap]) -> list[Layer]:
-    return [layer for gap in gaps for layer in gap.layers]
+    return [layer for gap in gaps for layer, _ in gap.layers]
 
 
 def backend(

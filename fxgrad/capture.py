@@ -63,12 +63,19 @@ class CapturedGraph:
     compile_id: tuple[int | None, int | None]
     num_inputs: int
     params: list[ParamSlot]
+    # Filled in when the backward graph is rewritten:
     backward_before: str | None = None
     backward_after: str | None = None
+    inserted: str | None = None
+    layers: list = dataclasses.field(default_factory=list)
     routes: list = dataclasses.field(default_factory=list)
+    gaps: list = dataclasses.field(default_factory=list)
 
     def param_names(self) -> set[str]:
         return {p.name for p in self.params}
+
+    def roots(self) -> set[int]:
+        return {p.root for p in self.params if p.root is not None}
 
 
 _SIMPLE_SOURCE = re.compile(r"^[LG]\['([^']+)'\]$")

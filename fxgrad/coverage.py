@@ -32,49 +32,64 @@ class CoverageWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class Gap:
-    """Layers one route should reach but cannot, and why."""
+    """Layers one route should reach but cannot, each with the reason."""
 
     route: str
-    layers: tuple[Layer, ...]
     problem: str
+    layers: tuple[tuple[Layer, str], ...]
     fatal: bool
 
-    def describe(self, locate: Callable[[str], str]) -> str:
-        rows = "\n".join(f"    {layer.name} ({layer.type_name}): {locate(layer.name)}" for layer in self.layers[:20])
-        more = f"\n    ... and {len(self.layers) - 20} more" if len(self.layers) > 20 else ""
-        return f"{self.route} {self.problem}:\n{rows}{more}"
+    def describe(self) -> str:
+        rows = [f"    {layer.name} ({layer.type_name}): {why}" for layer, why in self.layers[:20]]
+        if len(self.layers) > 20:
+            rows.append(f"    ... and {len(self.layers) - 20} more")
+        return f"{self.route} {self.problem}:\n" + "\n".join(rows)
 
 
 def find_gaps(
-    intended: Sequence[Route], actual: Sequence[Route], shared_layers: set[str]
+    intended: Sequence[Route],
+    actual: Sequence[Route],
+    shared_layers: set[str],
+    locate: Callable[[str], str],
 ) -> list[Gap]:
     """Compare the routes over the whole model with the routes over one graph.
 
     ``intended`` and ``actual`` come from the same policy, so they line up
     index by index. ``shared_layers`` are layers with a parameter that another
-    part of the same forward (another graph) also uses.
+    graph of the same forward also uses; ``locate(layer_name)`` says where a
+    missing layer is.
     """
     gaps = []
     for want, have in zip(intended, actual):
-        have_params = {layer.name: layer.params for layer in have.layers}
-        missing = tuple(layer for layer in want.layers if layer.name not in have_params)
+        have_params = {layer.name: set(layer.params) for layer in have.layers}
+        missing = [(layer, locate(layer.name)) for layer in want.layers if layer.name not in have_params]
         present = [layer for layer in want.layers if layer.name in have_params]
-        split = tuple(layer for layer in present if have_params[layer.name] != layer.params)
-        shared = tuple(layer for layer in present if layer.name in shared_layers)
+        split = [
+            (layer, f"only {len(have_params[layer.name])} of its {len(layer.params)} parameters "
+                    "are in this graph")
+            for layer in present
+            if have_params[layer.name] != set(layer.params)
+        ]
+        shared = [
+            (layer, "a parameter of it is also used by another graph of the same forward")
+            for layer in present
+            if layer.name in shared_layers
+        ]
         route, scope = repr(want.leaf), want.leaf.scope
         if scope == "group" and (missing or split or shared):
-            gaps.append(Gap(route, _unique(missing + split + shared), "would see only part of its layers", True))
+            gaps.append(Gap(route, "would see only part of its layers", _unique(missing + split + shared), True))
             continue
-        broken = _unique((split if scope == "layer" else ()) + shared)
+        broken = (split if scope == "layer" else []) + shared
         if broken:
-            gaps.append(Gap(route, broken, "would see only part of a layer's gradient", True))
+            gaps.append(Gap(route, "would see only part of a layer's gradient", _unique(broken), True))
         if missing:
-            gaps.append(Gap(route, missing, "is not applied to", False))
+            gaps.append(Gap(route, "is not applied to", tuple(missing), False))
     return gaps
 
 
-def _unique(layers: tuple[Layer, ...]) -> tuple[Layer, ...]:
-    return tuple(dict.fromkeys(layers))
+def _unique(rows: list[tuple[Layer, str]]) -> tuple[tuple[Layer, str], ...]:
+    """One row per layer, the first reason kept."""
+    return tuple({layer: (layer, why) for layer, why in reversed(rows)}.values())[::-1]
 
 
 def rnn_hint(layers: Sequence[Layer]) -> str:

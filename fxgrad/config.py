@@ -1,0 +1,128 @@
+"""Declarative policies: build a backend from plain data (JSON, YAML, options=).
+
+    >>> backend = from_config({
+    ...     "transform": [
+    ...         {"by_type": {"mapping": {"torch.nn.LSTM": {"clip_by_norm": {"max_norm": 0.5}}},
+    ...                      "default": {"clip_by_norm": {"max_norm": 1.0}}}},
+    ...         {"clip_by_global_norm": {"max_norm": 5.0}},
+    ...     ],
+    ...     "skip": ["default", "lm_head"],
+    ...     "compiler": "aot_eager",
+    ... })
+    >>> backend.transform
+    chain(by_type({LSTM: clip_by_norm(max_norm=0.5)}, default=clip_by_norm(max_norm=1.0)), clip_by_global_norm(max_norm=5.0))
+
+Grammar:
+
+* a transform is ``{"<factory name>": {<keyword arguments>}}``, or a list of
+  transforms (a ``chain``);
+* ``by_type`` takes ``{"mapping": {"<dotted class path>": transform}, "default": transform}``,
+  ``by_name`` the same with fnmatch patterns as keys;
+* where types and name patterns are both allowed (``skip``, ``rescale``'s
+  ``multipliers``), a type is written ``"type:torch.nn.Conv2d"``;
+* ``skip`` is a list; the entry ``"default"`` stands for :data:`fxgrad.DEFAULT_SKIP`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from typing import Any, Mapping
+
+from fxgrad import compose, transforms
+from fxgrad.backend import Backend
+from fxgrad.base import Transform
+from fxgrad.layers import DEFAULT_SKIP
+
+FACTORIES = {
+    "clip_by_global_norm": transforms.clip_by_global_norm,
+    "clip_by_norm": transforms.clip_by_norm,
+    "clip_by_value": transforms.clip_by_value,
+    "rescale": transforms.rescale,
+}
+ROUTERS = {"by_type": compose.by_type, "by_name": compose.by_name}
+BACKEND_KEYS = {"transform", "skip", "compiler", "strict"}
+CONFIG_ENV = "FXGRAD_CONFIG"
+
+
+def from_config(spec: Mapping[str, Any]) -> Backend:
+    """A :class:`fxgrad.Backend` from ``{"transform": ..., "skip": [...], "compiler": ..., "strict": ...}``.
+
+    ``{"config": "policy.json"}`` loads the spec from a JSON file.
+    """
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"config must be a dict, got {type(spec).__name__}")
+    if "config" in spec:
+        return from_config(load(spec["config"]))
+    unknown = set(spec) - BACKEND_KEYS
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {sorted(BACKEND_KEYS)}")
+    kwargs: dict[str, Any] = {key: spec[key] for key in ("compiler", "strict") if key in spec}
+    if "skip" in spec:
+        kwargs["skip"] = _skip(spec["skip"])
+    transform = spec.get("transform")
+    return Backend(None if transform is None else parse_transform(transform), **kwargs)
+
+
+def load(path: str | os.PathLike) -> dict:
+    with open(path) as file:
+        return json.load(file)
+
+
+def parse_transform(spec: Any) -> Transform:
+    """A transform from its plain-data form (see the module docstring)."""
+    if isinstance(spec, list):
+        return compose.chain(*(parse_transform(item) for item in spec))
+    if not (isinstance(spec, Mapping) and len(spec) == 1):
+        raise ValueError(f"a transform is {{'<name>': {{arguments}}}} or a list of them, got {spec!r}")
+    (name, arguments), = spec.items()
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, Mapping):
+        raise TypeError(f"arguments of {name!r} must be a dict, got {arguments!r}")
+    if name in ROUTERS:
+        return _router(name, arguments)
+    if name not in FACTORIES:
+        raise ValueError(f"unknown transform {name!r}; known: {sorted(FACTORIES) + sorted(ROUTERS)}")
+    arguments = dict(arguments)
+    if name == "rescale" and "multipliers" in arguments:
+        arguments["multipliers"] = {_type_or_pattern(k): v for k, v in arguments["multipliers"].items()}
+    return FACTORIES[name](**arguments)
+
+
+def _router(name: str, arguments: Mapping[str, Any]) -> Transform:
+    unknown = set(arguments) - {"mapping", "default"}
+    if unknown:
+        raise ValueError(f"{name} takes 'mapping' and 'default', got {sorted(unknown)}")
+    mapping = arguments.get("mapping", {})
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"{name} mapping must be a dict, got {mapping!r}")
+    key = import_class if name == "by_type" else str
+    routes = {key(k): parse_transform(v) for k, v in mapping.items()}
+    default = arguments.get("default")
+    return ROUTERS[name](routes, default=None if default is None else parse_transform(default))
+
+
+def _skip(entries: Any) -> tuple:
+    if not isinstance(entries, list):
+        raise TypeError(f"skip must be a list, got {entries!r}")
+    result: list = []
+    for entry in entries:
+        result += DEFAULT_SKIP if entry == "default" else [_type_or_pattern(entry)]
+    return tuple(result)
+
+
+def _type_or_pattern(entry: Any) -> Any:
+    if isinstance(entry, str) and entry.startswith("type:"):
+        return import_class(entry[len("type:"):])
+    return entry
+
+
+def import_class(path: str) -> type:
+    """``torch.nn.LSTM`` -> the class."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(f"cannot import class {path!r}") from None

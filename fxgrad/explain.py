@@ -1,0 +1,207 @@
+"""``fxgrad.explain``: what a policy does to a model, layer by layer.
+
+    >>> import torch, fxgrad
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> report = fxgrad.explain(model, torch.randn(2, 4),
+    ...     backend=fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager"))
+    >>> print(report.table())
+    layer  type       params  action
+    0      Linear         20  clip_by_norm(max_norm=1.0)
+    1      LayerNorm       8  skipped: is a LayerNorm
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.nn as nn
+
+from fxgrad.backend import Backend
+from fxgrad.capture import CapturedGraph
+from fxgrad.coverage import CoverageWarning
+from fxgrad.layers import parameter_owners, skip_reason
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerDecision:
+    """One row of the report."""
+
+    name: str
+    type_name: str
+    numel: int
+    action: str
+
+
+@dataclasses.dataclass
+class Report:
+    """The outcome of :func:`explain`.
+
+    ``layers``: one :class:`LayerDecision` per layer of the model.
+    ``graphs``: the compiled graphs, each with ``backward_before``,
+    ``backward_after`` (normalized code) and ``inserted`` (fxgrad's nodes only;
+    inserted nodes are named ``fxgrad_*`` and tagged ``node.meta["fxgrad"]``).
+    ``warnings``: the coverage warnings training would show.
+    """
+
+    backend: Backend
+    layers: list[LayerDecision]
+    graphs: list[CapturedGraph]
+    loss: torch.Tensor
+    warnings: list[str]
+
+    @property
+    def backward_before(self) -> str:
+        return self._joined("backward_before")
+
+    @property
+    def backward_after(self) -> str:
+        return self._joined("backward_after")
+
+    @property
+    def inserted(self) -> str:
+        return self._joined("inserted")
+
+    def _joined(self, field: str) -> str:
+        texts = [getattr(g, field) for g in self.graphs if getattr(g, field) is not None]
+        if len(texts) == 1:
+            return texts[0]
+        return "".join(f"# ---- backward graph {i}\n{text}" for i, text in enumerate(texts))
+
+    def table(self) -> str:
+        """The per-layer decisions as an aligned text table."""
+        rows = [("layer", "type", "params", "action")]
+        rows += [(r.name or "(root)", r.type_name, str(r.numel), r.action) for r in self.layers]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines = [
+            f"{name:<{widths[0]}}  {kind:<{widths[1]}}  {numel:>{widths[2]}}  {action}"
+            for name, kind, numel, action in rows
+        ]
+        return "\n".join(line.rstrip() for line in lines)
+
+    def __str__(self) -> str:
+        parts = [
+            f"{self.backend!r}",
+            f"{len(self.graphs)} compiled graph(s), loss {self.loss.item():.6g}",
+            "",
+            self.table(),
+        ]
+        if self.warnings:
+            parts += ["", "warnings:"] + [f"  {w}" for w in self.warnings]
+        for i, graph in enumerate(self.graphs):
+            if graph.inserted is not None:
+                parts += ["", f"inserted into backward graph {i}:", graph.inserted.rstrip()]
+        return "\n".join(parts)
+
+
+def explain(model: nn.Module, *args: Any, backend: Backend, **kwargs: Any) -> Report:
+    """Run one forward and backward of ``model`` with ``backend`` and report.
+
+    The loss is ``output.loss`` when the output has one (Hugging Face models),
+    otherwise the sum of the floating-point outputs. ``model`` is left as it
+    was: its gradients, buffers (BatchNorm statistics) and the RNG state are
+    restored afterwards. Coverage problems are reported, not raised.
+    """
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
+    probe = Backend(backend.transform, skip=backend.skip, compiler=backend.compiler, strict=False)
+    with _restored(model), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CoverageWarning)
+        compiled = probe.compile(model)
+        loss = _loss_of(compiled(*args, **kwargs))
+        loss.backward()
+    messages = [str(w.message) for w in caught if issubclass(w.category, CoverageWarning)]
+    return Report(probe, _decisions(model, probe), probe.graphs, loss.detach(), messages)
+
+
+@dataclasses.dataclass
+class _LayerInfo:
+    type_name: str
+    numel: int = 0
+    trainable: bool = False
+    module_type: type | None = None
+
+
+def _decisions(model: nn.Module, probe: Backend) -> list[LayerDecision]:
+    layers: dict[str, _LayerInfo] = {}
+    for owner in parameter_owners(model).values():
+        info = layers.setdefault(owner.layer, _LayerInfo(type(owner.module).__name__, module_type=type(owner.module)))
+        info.numel += owner.tensor.numel()
+        info.trainable |= owner.tensor.requires_grad
+    actions: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    for graph in probe.graphs:
+        seen |= {layer.name for layer in graph.layers}
+        for route in graph.routes:
+            for name in route.names:
+                if repr(route.leaf) not in actions.setdefault(name, []):
+                    actions[name].append(repr(route.leaf))
+    rows = []
+    for name, info in layers.items():
+        reason = skip_reason(name, info.module_type, probe.skip)
+        if not info.trainable:
+            action = "frozen (requires_grad=False): no gradient"
+        elif name not in seen:
+            action = "not captured: " + _where(probe, name)
+        elif name in actions:
+            action = " -> ".join(actions[name])
+            if reason:
+                action += f"  (per-layer transforms skip it: {reason})"
+        elif reason:
+            action = f"skipped: {reason}"
+        else:
+            action = "untouched"
+        rows.append(LayerDecision(name, info.type_name, info.numel, action))
+    return rows
+
+
+def _where(probe: Backend, layer: str) -> str:
+    if not probe.graphs:
+        return "no graph was compiled (Dynamo ran the model eagerly)"
+    return probe.locate(probe.graphs[-1], layer)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    floats = [t for t in _tensors(output) if t.is_floating_point()]
+    if not floats:
+        raise ValueError("explain needs a model output with a .loss or floating-point tensors")
+    return sum(t.float().sum() for t in floats)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+class _restored:
+    """Restore a model's gradients and buffers, and the RNG state, on exit."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.grads = {p: p.grad for p in self.model.parameters()}
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        for p in self.grads:
+            p.grad = None
+        self.rng = torch.random.fork_rng()
+        self.rng.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.rng.__exit__(*exc)
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+        for p, grad in self.grads.items():
+            p.grad = grad

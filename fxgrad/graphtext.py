@@ -1,0 +1,77 @@
+"""Readable, stable text for backward graphs.
+
+``normalize_code`` strips what changes between runs and adds nothing for a
+reader (``;  x = None`` deletions, ``torch.ops.`` prefixes, blank lines).
+``render_inserted`` prints only the nodes fxgrad inserted, with the original
+gradients named after their parameters::
+
+    # clip_by_global_norm(max_norm=1.0) on [fc]
+    fxgrad_mul = aten.mul.Tensor(grad['fc.weight'], grad['fc.weight'])
+    ...
+    return {
+        'fc.weight': fxgrad_mul_2,
+    }
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+import torch.fx
+
+import passes
+
+_DELETIONS = re.compile(r";\s+[\w\s=]+= None$")
+
+
+def normalize_code(code: str) -> str:
+    """``gm.code`` without variable deletions, ``torch.ops.`` prefixes and blank lines."""
+    lines = []
+    for line in code.splitlines():
+        line = _DELETIONS.sub("", line.rstrip()).replace("torch.ops.", "")
+        if line.strip():
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def render_inserted(
+    gm: torch.fx.GraphModule, gradient_names: Mapping[torch.fx.Node, str], outputs: Mapping[str, torch.fx.Node]
+) -> str:
+    """The inserted nodes, one line each, grouped under a comment per route.
+
+    ``gradient_names`` names the original gradient nodes (``grad['fc.weight']``);
+    ``outputs`` maps parameter names to the nodes that now hold their gradients.
+    """
+    lines: list[str] = []
+    label = None
+    for node in passes.inserted_nodes(gm):
+        if node.meta[passes.TAG] != label:
+            label = node.meta[passes.TAG]
+            lines.append(f"# {label}")
+        args = [_arg(a, gradient_names) for a in node.args]
+        args += [f"{k}={_arg(v, gradient_names)}" for k, v in node.kwargs.items()]
+        lines.append(f"{node.name} = {_target(node)}({', '.join(args)})")
+    lines.append("return {")
+    lines += [f"    {name!r}: {_arg(node, gradient_names)}," for name, node in outputs.items()]
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _target(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return target
+    name = str(target)
+    return name if "." in name and not name.startswith("<") else getattr(target, "__name__", name)
+
+
+def _arg(value: Any, names: Mapping[torch.fx.Node, str]) -> str:
+    if isinstance(value, torch.fx.Node):
+        return f"grad[{names[value]!r}]" if value in names else value.name
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_arg(v, names) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return repr(value)
