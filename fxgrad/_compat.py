@@ -15,8 +15,8 @@ import torch._dynamo  # noqa: F401  (registers torch._dynamo.* submodules)
 import torch._dynamo.symbolic_convert as _symbolic_convert
 import torch._functorch.config as _functorch_config
 import torch._inductor.compile_fx as _compile_fx
-import torch._inductor.metrics as _inductor_metrics
 from torch._dynamo.backends.common import aot_autograd as _aot_autograd
+import torch._guards
 from torch._guards import detect_fake_mode as _detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 
@@ -26,11 +26,10 @@ __all__ = [
     "compile_id",
     "current_frame_scope",
     "detect_fake_mode",
-    "generated_kernel_count",
+    "generated_code",
     "inductor_compile",
     "inductor_decompositions",
     "reset_dynamo",
-    "reset_kernel_count",
     "source_chain",
 ]
 
@@ -123,23 +122,25 @@ def source_chain(placeholder: torch.fx.Node) -> list[str]:
     return names[::-1]
 
 
-def compile_id(gm: torch.fx.GraphModule) -> tuple[int | None, int | None]:
-    """``(frame_id, frame_compile_id)`` of a Dynamo graph.
+def compile_id(gm: torch.fx.GraphModule) -> tuple[tuple[int | None, int | None], int]:
+    """``((frame_id, frame_compile_id), attempt)`` of the Dynamo graph being compiled.
 
-    Graphs of one frame compile are parts of one forward (graph breaks split
-    a frame into several); a new ``frame_compile_id`` is a recompile.
+    A graph break continues the forward in a new frame (new ``frame_id``); a
+    recompile of a frame gets a new ``frame_compile_id``; Dynamo may restart
+    the analysis of one compile, and graphs of an earlier ``attempt`` are
+    then thrown away.
     """
-    cid = gm.meta.get("dynamo_compile_id")
-    return (getattr(cid, "frame_id", None), getattr(cid, "frame_compile_id", None))
+    trace = torch._guards.CompileContext.current_trace_id()
+    cid = trace.compile_id if trace is not None else gm.meta.get("dynamo_compile_id")
+    frame = (getattr(cid, "frame_id", None), getattr(cid, "frame_compile_id", None))
+    return frame, trace.attempt if trace is not None else 0
 
 
-def generated_kernel_count() -> int:
-    """Kernels Inductor generated since the last :func:`reset_kernel_count`."""
-    return _inductor_metrics.generated_kernel_count
+def generated_code(fn: Callable[[], Any]) -> list[str]:
+    """Run ``fn`` and return the source of every module Inductor generated meanwhile."""
+    from torch._inductor.utils import run_and_get_code
 
-
-def reset_kernel_count() -> None:
-    _inductor_metrics.reset()
+    return run_and_get_code(fn)[1]
 
 
 def reset_dynamo() -> None:

@@ -79,7 +79,11 @@ class Backend:
     # ------------------------------------------------------------ compiling
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        graph = capture(gm, example_inputs, len(self.graphs), self._roots)
+        graph = capture(gm, example_inputs, self._roots)
+        # Dynamo discards the graphs of an analysis it restarted.
+        self.graphs = [
+            g for g in self.graphs if g.compile_id != graph.compile_id or g.attempt >= graph.attempt
+        ]
         self.graphs.append(graph)
         for param in graph.params:
             if param.layer not in self._forward_order:
@@ -157,7 +161,9 @@ class Backend:
         trainable, frozen = self.model_layers(graph, has_grad)
         intended = self.transform.routes(trainable)
         locate = functools.partial(self.locate, graph)
-        gaps = find_gaps(intended, plan.routes, self._shared_layers(graph, has_grad), locate)
+        parts = self._parts_of_same_forward(graph)
+        elsewhere = {p.layer for part in parts for p in part.params}
+        gaps = find_gaps(intended, plan.routes, self._shared_layers(graph, has_grad), elsewhere, locate)
         graph.gaps = gaps
         fatal = [gap for gap in gaps if gap.fatal]
         if fatal:

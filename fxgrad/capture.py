@@ -59,8 +59,8 @@ class Root:
 class CapturedGraph:
     """One Dynamo graph as fxgrad saw it, and what fxgrad did to its backward."""
 
-    number: int
-    compile_id: tuple[int | None, int | None]
+    compile_id: tuple[int | None, int | None]  # (frame_id, frame_compile_id)
+    attempt: int
     num_inputs: int
     params: list[ParamSlot]
     # Filled in when the backward graph is rewritten:
@@ -82,7 +82,7 @@ _SIMPLE_SOURCE = re.compile(r"^[LG]\['([^']+)'\]$")
 
 
 def capture(
-    gm: torch.fx.GraphModule, example_inputs: Sequence, number: int, roots: dict[int, Root]
+    gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int, Root]
 ) -> CapturedGraph:
     """Map ``gm``'s parameter inputs to layers; new models are added to ``roots``."""
     if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
@@ -123,7 +123,8 @@ def capture(
                 root=id(root) if root is not None else None,
             )
         )
-    return CapturedGraph(number, _compat.compile_id(gm), len(placeholders), params)
+    compile_id, attempt = _compat.compile_id(gm)
+    return CapturedGraph(compile_id, attempt, len(placeholders), params)
 
 
 def _find_root(chain: list[str], scope: tuple[dict, dict] | None) -> nn.Module | None:

@@ -50,14 +50,16 @@ def find_gaps(
     intended: Sequence[Route],
     actual: Sequence[Route],
     shared_layers: set[str],
+    elsewhere: set[str],
     locate: Callable[[str], str],
 ) -> list[Gap]:
     """Compare the routes over the whole model with the routes over one graph.
 
     ``intended`` and ``actual`` come from the same policy, so they line up
     index by index. ``shared_layers`` are layers with a parameter that another
-    graph of the same forward also uses; ``locate(layer_name)`` says where a
-    missing layer is.
+    graph of the same forward also uses; ``elsewhere`` are layers that another
+    graph of the same forward holds (per-layer transforms reach them there);
+    ``locate(layer_name)`` says where a missing layer is.
     """
     gaps = []
     for want, have in zip(intended, actual):
@@ -82,8 +84,9 @@ def find_gaps(
         broken = (split if scope == "layer" else []) + shared
         if broken:
             gaps.append(Gap(route, "would see only part of a layer's gradient", _unique(broken), True))
-        if missing:
-            gaps.append(Gap(route, "is not applied to", tuple(missing), False))
+        unreached = tuple((layer, why) for layer, why in missing if layer.name not in elsewhere)
+        if unreached:
+            gaps.append(Gap(route, "is not applied to", unreached, False))
     return gaps
 
 

@@ -1,6 +1,5 @@
 import os
 import sys
-import warnings
 
 import pytest
 import torch
@@ -20,6 +19,3 @@ def fresh_dynamo():
     _compat.dynamo_config().allow_rnn = allow_rnn
     _compat.reset_dynamo()
 
-
-def pytest_configure(config):
-    warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch.jit")

@@ -34,13 +34,26 @@ def assert_grads_close(actual_model, expected_model, rtol=1e-5):
 
 
 def check_parity(model_name, transform, reference, compiler="aot_eager", rtol=1e-5):
-    """Compile ``model_name`` with ``transform``; ``reference(model, depths)`` edits eager grads."""
+    """Compile ``model_name`` with ``transform``; ``reference(model)`` edits the baseline grads.
+
+    Under ``aot_eager`` the baseline is eager PyTorch. Inductor's own backward
+    already differs from eager by up to ~3e-5 on BatchNorm, so there the
+    baseline is the same model compiled by Inductor without a transform, and
+    the comparison isolates what fxgrad adds; eager is checked at 1e-4.
+    """
     if model_name == "lstm":
         _compat.dynamo_config().allow_rnn = True
     model, args, kwargs = models.build(model_name)
     expected = copy.deepcopy(model)
+    eager = copy.deepcopy(model)
     backend = compiled_grads(model, args, kwargs, transform, compiler)
-    eager_grads(expected, args, kwargs)
+    if compiler == "inductor":
+        compiled_grads(expected, args, kwargs, None, compiler)
+        eager_grads(eager, args, kwargs)
+        reference(eager)
+        assert_grads_close(model, eager, 1e-4)
+    else:
+        eager_grads(expected, args, kwargs)
     reference(expected)
     assert_grads_close(model, expected, rtol)
     return backend

@@ -1,0 +1,151 @@
+"""No silent no-ops: graph breaks, uncaptured modules, frozen layers."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxgrad
+import models
+import reference as ref
+from fxgrad import _compat
+from parity import assert_grads_close, eager_grads
+
+
+@torch.compiler.disable
+def eager_only(x):
+    """Runs outside the compiled region: the forward splits into two graphs here."""
+    return x * 1.0
+
+
+class BrokenMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        h = eager_only(h)
+        return self.fc3(torch.relu(self.fc2(h)))
+
+
+class EagerMiddle(nn.Module):
+    """fc2 runs inside a disabled function: it never reaches a compiled graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.middle(torch.relu(self.fc1(x)))))
+
+    @torch.compiler.disable
+    def middle(self, h):
+        return self.fc2(h)
+
+
+def run(model, transform, **backend_kwargs):
+    backend = fxgrad.backend(transform, compiler="aot_eager", **backend_kwargs)
+    models.loss_of(backend.compile(model)(torch.randn(5, 8))).backward()
+    return backend
+
+
+def test_global_clip_refuses_graph_break():
+    with pytest.raises(fxgrad.CoverageError, match="(?s)would see only part.*fc1.*graph break"):
+        run(BrokenMLP(), fxgrad.clip_by_global_norm(1.0))
+
+
+def test_rescale_mean_refuses_graph_break():
+    with pytest.raises(fxgrad.CoverageError, match="rescale"):
+        run(BrokenMLP(), fxgrad.rescale(alpha=0.5))
+
+
+def test_non_strict_warns_and_clips_each_graph():
+    torch.manual_seed(0)
+    model = BrokenMLP()
+    expected = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", strict=False)
+    with pytest.warns(fxgrad.CoverageWarning, match="would see only part"):
+        models.loss_of(backend.compile(model)(x)).backward()
+    models.loss_of(expected(x)).backward()
+    torch.nn.utils.clip_grad_norm_(expected.fc1.parameters(), 1e-3)
+    torch.nn.utils.clip_grad_norm_([*expected.fc2.parameters(), *expected.fc3.parameters()], 1e-3)
+    assert_grads_close(model, expected)
+
+
+def test_per_layer_clip_is_exact_across_graph_breaks():
+    torch.manual_seed(0)
+    model = BrokenMLP()
+    expected = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        backend = run(model, fxgrad.clip_by_norm(1e-3))
+    assert len(backend.graphs) == 2
+    models.loss_of(expected(x)).backward()
+    ref.clip_per_layer(expected, 1e-3)
+    torch.manual_seed(0)
+    model2 = BrokenMLP()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager")
+    models.loss_of(backend.compile(model2)(x)).backward()
+    assert_grads_close(model2, expected)
+
+
+def test_uncaptured_layer_is_named_in_a_warning():
+    with pytest.warns(fxgrad.CoverageWarning, match="(?s)is not applied to.*fc2 \\(Linear\\): in no compiled graph"):
+        run(EagerMiddle(), fxgrad.clip_by_norm(1.0))
+
+
+def test_uncaptured_layer_blocks_global_clip():
+    with pytest.raises(fxgrad.CoverageError, match="fc2"):
+        run(EagerMiddle(), fxgrad.clip_by_global_norm(1.0))
+
+
+def test_unused_parameter_blocks_global_clip_until_frozen():
+    model = BrokenMLP()
+    model.unused = nn.Linear(2, 2)
+    model.forward = lambda x: model.fc3(torch.relu(model.fc2(torch.relu(model.fc1(x)))))
+    with pytest.raises(fxgrad.CoverageError, match="unused"):
+        run(model, fxgrad.clip_by_global_norm(1.0))
+    model.unused.requires_grad_(False)
+    _compat.reset_dynamo()
+    with pytest.warns(fxgrad.CoverageWarning, match="frozen"):
+        run(model, fxgrad.clip_by_global_norm(1.0))
+
+
+def test_lstm_without_allow_rnn_is_reported():
+    _compat.dynamo_config().allow_rnn = False
+    model, args, _ = models.build("lstm")
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
+    with pytest.raises(fxgrad.CoverageError, match="(?s)no graph of LSTMNet.*allow_rnn = True"):
+        backend.compile(model)(*args)
+
+    per_layer = fxgrad.backend(fxgrad.by_type({nn.LSTM: fxgrad.clip_by_norm(0.5)}), compiler="aot_eager")
+    with pytest.warns(fxgrad.CoverageWarning, match="allow_rnn"):
+        per_layer.compile(model)(*args)
+
+
+def test_lstm_with_allow_rnn_is_captured():
+    _compat.dynamo_config().allow_rnn = True
+    model, args, kwargs = models.build("lstm")
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.by_type({nn.LSTM: fxgrad.clip_by_norm(1e-3)}), compiler="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        models.loss_of(backend.compile(model)(*args)).backward()
+    eager_grads(expected, args, kwargs)
+    ref.clip_per_layer(expected, 1e-3, select=lambda name, module: isinstance(module, nn.LSTM))
+    assert_grads_close(model, expected)
+
+
+def test_explain_names_uncaptured_layers():
+    report = fxgrad.explain(
+        EagerMiddle(), torch.randn(5, 8),
+        backend=fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager"),
+    )
+    actions = {row.name: row.action for row in report.layers}
+    assert actions["fc2"].startswith("not captured: in no compiled graph")
+    assert any("would see only part" in w for w in report.warnings)

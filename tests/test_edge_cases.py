@@ -1,0 +1,106 @@
+"""Frozen parameters, shared parameters, buffers, dynamic shapes, low precision."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxgrad
+import models
+import reference as ref
+from parity import assert_grads_close
+
+
+def compile_and_step(model, transform, *args, compiler="aot_eager", **compile_kwargs):
+    backend = fxgrad.backend(transform, compiler=compiler)
+    compiled = backend.compile(model, **compile_kwargs)
+    models.loss_of(compiled(*args)).backward()
+    return backend, compiled
+
+
+def test_frozen_parameters_get_no_gradient_and_are_excluded():
+    torch.manual_seed(0)
+    model = models.MLP()
+    model.net[0].requires_grad_(False)  # a whole layer
+    model.net[3].bias.requires_grad_(False)  # part of a layer
+    expected = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    with pytest.warns(fxgrad.CoverageWarning, match="frozen.*net.0"):
+        compile_and_step(model, fxgrad.chain(fxgrad.clip_by_norm(1e-3), fxgrad.clip_by_global_norm(1e-3)), x)
+    models.loss_of(expected(x)).backward()
+    ref.clip_per_layer(expected, 1e-3)
+    ref.clip_global(expected, 1e-3)
+    assert model.net[0].weight.grad is None and model.net[3].bias.grad is None
+    assert_grads_close(model, expected)
+
+
+class TwiceUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.fc(torch.tanh(self.fc(x))))
+
+
+def test_parameter_used_twice():
+    torch.manual_seed(0)
+    model = TwiceUsed()
+    expected = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    compile_and_step(model, fxgrad.chain(fxgrad.rescale(0.5), fxgrad.clip_by_global_norm(1e-3)), x)
+    models.loss_of(expected(x)).backward()
+    ref.rescale(expected, 0.5)
+    ref.clip_global(expected, 1e-3)
+    assert_grads_close(model, expected)
+
+
+def test_buffers_are_untouched_and_batchnorm_stats_update():
+    torch.manual_seed(0)
+    model, (x,), _ = models.build("cnn")
+    expected = copy.deepcopy(model)
+    compile_and_step(model, fxgrad.clip_by_global_norm(1e-3), x)
+    models.loss_of(expected(x)).backward()
+    ref.clip_global(expected, 1e-3)
+    assert_grads_close(model, expected)
+    for (name, a), b in zip(model.named_buffers(), expected.buffers()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_dynamic_batch_sizes_compile_once(compiler):
+    torch.manual_seed(0)
+    model = models.MLP()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.chain(fxgrad.rescale(0.5), fxgrad.clip_by_global_norm(1e-3)),
+                             compiler=compiler)
+    compiled = backend.compile(model, dynamic=True)
+    for batch in (3, 7, 12):
+        x = torch.randn(batch, 16)
+        model.zero_grad()
+        expected.zero_grad()
+        models.loss_of(compiled(x)).backward()
+        models.loss_of(expected(x)).backward()
+        ref.rescale(expected, 0.5)
+        ref.clip_global(expected, 1e-3)
+        assert_grads_close(model, expected)
+    assert len(backend.graphs) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_keeps_dtype_and_accumulates_in_float32(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).to(dtype)
+    unclipped = copy.deepcopy(model)
+    x = torch.randn(32, 64, dtype=dtype)
+    compile_and_step(model, fxgrad.clip_by_global_norm(1e-3), x)
+    models.loss_of(unclipped(x)).backward()
+    grads = [p.grad.float() for p in unclipped.parameters()]
+    total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+    coef = min(1.0, 1e-3 / (total.item() + 1e-6))
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad.dtype == dtype
+        # one rounding to the low-precision dtype, no accumulated error
+        torch.testing.assert_close(p.grad.float(), (g * coef).to(dtype).float(), rtol=1e-2, atol=0)
