@@ -1,0 +1,98 @@
+"""Declarative policies and ``torch.compile(model, backend="fxgrad", options=...)``."""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxgrad
+import models
+import reference as ref
+from fxgrad.config import from_config
+from fxgrad.named import backend_for
+from parity import assert_grads_close
+
+OPTIONS = {
+    "transform": [
+        {"rescale": {"alpha": 0.5, "multipliers": {"net.0": 2.0, "type:torch.nn.Linear": 1.2}}},
+        {"clip_by_global_norm": {"max_norm": 1e-3}},
+    ],
+    "skip": ["default"],
+    "compiler": "aot_eager",
+}
+
+
+def test_named_backend_with_options_matches_eager():
+    torch.manual_seed(0)
+    model = models.MLP()
+    expected = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    compiled = torch.compile(model, backend="fxgrad", options=OPTIONS)
+    models.loss_of(compiled(x)).backward()
+    models.loss_of(expected(x)).backward()
+    ref.rescale(expected, 0.5, multipliers=(("net.0", 2.0), (nn.Linear, 1.2)))
+    ref.clip_global(expected, 1e-3)
+    assert_grads_close(model, expected)
+    assert backend_for(OPTIONS).transform == fxgrad.chain(
+        fxgrad.rescale(alpha=0.5, multipliers={"net.0": 2.0, nn.Linear: 1.2}),
+        fxgrad.clip_by_global_norm(1e-3),
+    )
+
+
+def test_policy_from_file_via_environment(tmp_path, monkeypatch):
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"transform": {"clip_by_norm": {"max_norm": 1e-3}}, "compiler": "aot_eager"}))
+    monkeypatch.setenv("FXGRAD_CONFIG", str(path))
+    torch.manual_seed(0)
+    model = models.MLP()
+    expected = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    models.loss_of(torch.compile(model, backend="fxgrad")(x)).backward()
+    models.loss_of(expected(x)).backward()
+    ref.clip_per_layer(expected, 1e-3)
+    assert_grads_close(model, expected)
+
+
+def test_config_file_key(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"transform": {"clip_by_value": {"clip_value": 0.1}}}))
+    assert repr(from_config({"config": str(path)})) == "fxgrad.backend(clip_by_value(clip_value=0.1), compiler='inductor')"
+
+
+def test_routers_and_skip_in_config():
+    backend = from_config({
+        "transform": {"by_name": {"mapping": {"*.q_proj": {"rescale": {"alpha": 0.3}}},
+                                  "default": {"clip_by_norm": {"max_norm": 1.0}}}},
+        "skip": ["default", "type:torch.nn.Embedding", "lm_head"],
+        "strict": False,
+    })
+    assert backend.skip == fxgrad.DEFAULT_SKIP + (nn.Embedding, "lm_head")
+    assert not backend.strict
+    assert repr(backend.transform) == (
+        "by_name({'*.q_proj': rescale(alpha=0.3, target='mean')}, default=clip_by_norm(max_norm=1.0))"
+    )
+
+
+@pytest.mark.parametrize(
+    "spec,error,match",
+    [
+        ({"transform": {"clip_by_magic": {}}}, ValueError, "unknown transform"),
+        ({"transform": {"clip_by_norm": {"max_norm": -1}}}, ValueError, "max_norm"),
+        ({"transform": {"clip_by_norm": 1.0}}, TypeError, "arguments"),
+        ({"transform": {"clip_by_norm": {}, "rescale": {}}}, ValueError, "a transform is"),
+        ({"transform": {"by_type": {"mapping": {"torch.nn.Nope": {"rescale": {}}}}}}, ValueError, "torch.nn.Nope"),
+        ({"policy": {}}, ValueError, "unknown config keys"),
+        ({"skip": "default"}, TypeError, "skip"),
+    ],
+)
+def test_bad_config_is_rejected(spec, error, match):
+    with pytest.raises(error, match=match):
+        from_config(spec)
+
+
+def test_named_backend_without_policy_explains(monkeypatch):
+    monkeypatch.delenv("FXGRAD_CONFIG", raising=False)
+    with pytest.raises(Exception, match="needs a policy"):
+        torch.compile(nn.Linear(2, 2), backend="fxgrad")(torch.randn(1, 2))

@@ -1,0 +1,78 @@
+"""``fxgrad.explain`` reports per-layer decisions and leaves the model as it was."""
+
+import torch
+import torch.nn as nn
+
+import fxgrad
+import models
+
+
+def aot(transform, **kwargs):
+    return fxgrad.backend(transform, compiler="aot_eager", **kwargs)
+
+
+def test_gpt2_report_skips_layernorms_and_ties_embeddings():
+    model, args, kwargs = models.build("gpt2")
+    report = fxgrad.explain(model, *args, backend=aot(fxgrad.clip_by_norm(1.0)), **kwargs)
+    actions = {row.name: row for row in report.layers}
+    assert actions["transformer.wte"].action == "clip_by_norm(max_norm=1.0)"
+    assert "lm_head" not in actions  # tied to wte: one layer
+    assert actions["transformer.h.0.ln_1"].action == "skipped: is a LayerNorm"
+    assert actions["transformer.h.0.attn.c_attn"].type_name == "Conv1D"
+    assert torch.isclose(report.loss, model(*args, **kwargs).loss.detach(), rtol=1e-4)
+    assert "transformer.h.0.ln_1" in str(report)
+
+
+def test_llama_rmsnorm_is_skipped_by_class_name_pattern():
+    model, args, kwargs = models.build("llama")
+    report = fxgrad.explain(model, *args, backend=aot(fxgrad.rescale()), **kwargs)
+    actions = {row.name: row.action for row in report.layers}
+    assert actions["model.layers.0.input_layernorm"] == "skipped: class LlamaRMSNorm matches '*RMSNorm*'"
+    assert actions["model.layers.0.self_attn.q_proj"] == "rescale(alpha=0.5, target='mean')"
+
+
+def test_global_clip_covers_skipped_layers_and_says_so():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    report = fxgrad.explain(model, torch.randn(2, 4), backend=aot(fxgrad.clip_by_global_norm(1.0)))
+    assert report.layers[1].action == (
+        "clip_by_global_norm(max_norm=1.0)  (per-layer transforms skip it: is a LayerNorm)"
+    )
+
+
+def test_graphs_before_and_after_with_tagged_nodes():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    report = fxgrad.explain(model, torch.randn(3, 4), backend=aot(fxgrad.clip_by_global_norm(1.0)))
+    assert "fxgrad_" not in report.backward_before
+    assert "fxgrad_sqrt" in report.backward_after
+    assert report.inserted.startswith("# clip_by_global_norm(max_norm=1.0) on [0, 2]\n")
+    assert report.backward_after.count("return (") == 1
+
+
+def test_model_state_is_restored():
+    torch.manual_seed(0)
+    model, (x,), _ = models.build("cnn")
+    model(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    buffers = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    fxgrad.explain(model, x, backend=aot(fxgrad.clip_by_norm(1e-3)))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(b, s) for b, s in zip(model.buffers(), buffers))
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_loss_is_sum_of_floating_outputs_without_loss_attribute():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+
+        def forward(self, x):
+            return {"a": self.a(x), "b": (self.b(x), torch.arange(3))}
+
+    torch.manual_seed(0)
+    model, x = TwoHeads(), torch.randn(2, 3)
+    report = fxgrad.explain(model, x, backend=aot(None))
+    out = model(x)
+    torch.testing.assert_close(report.loss, out["a"].sum() + out["b"][0].sum())
+    assert [row.action for row in report.layers] == ["untouched", "untouched"]

@@ -1,0 +1,70 @@
+"""The pure graph passes on hand-made graphs."""
+
+import pytest
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import passes
+from fxgrad import _compat
+
+
+def traced_backward():
+    """A stand-in backward graph returning (grad_a, None, grad_b), with fake metadata."""
+
+    def backward(x, w):
+        return (x * 2.0, None, (w @ x).t().contiguous())
+
+    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    with fake_mode:
+        gm = make_fx(backward, tracing_mode="real")(torch.randn(3, 3), torch.randn(3, 3))
+    return gm, fake_mode
+
+
+def test_splice_keeps_contract_and_tags_nodes():
+    gm, fake_mode = traced_backward()
+    signature = passes.output_signature(gm)
+    outputs = passes.gradient_outputs(gm, num_forward_inputs=3)
+    assert outputs[1] is None
+    grads = [outputs[0], outputs[2]]
+    new = passes.splice_rule(
+        gm, grads, lambda gs: [g * 0.5 for g in gs], label="halve",
+        decompositions=_compat.inductor_decompositions(), fake_mode=fake_mode,
+    )
+    passes.replace_gradient_outputs(gm, {0: new[0], 2: new[1]})
+    passes.check_outputs(gm, signature)
+    inserted = passes.inserted_nodes(gm)
+    assert [n.name for n in inserted] == ["fxgrad_mul", "fxgrad_mul_1"]
+    assert all(n.meta[passes.TAG] == "halve" and "val" in n.meta for n in inserted)
+    out = gm(torch.ones(3, 3), torch.eye(3))
+    torch.testing.assert_close(out[0], torch.ones(3, 3))
+    assert out[1] is None
+
+
+def test_check_outputs_catches_dtype_change():
+    gm, fake_mode = traced_backward()
+    signature = passes.output_signature(gm)
+    outputs = passes.gradient_outputs(gm, num_forward_inputs=3)
+    new = passes.splice_rule(
+        gm, [outputs[0]], lambda gs: [g.double() for g in gs], label="widen",
+        decompositions={}, fake_mode=fake_mode,
+    )
+    passes.replace_gradient_outputs(gm, {0: new[0]})
+    with pytest.raises(AssertionError, match="output 0"):
+        passes.check_outputs(gm, signature)
+
+
+def test_gradient_outputs_refuses_count_mismatch():
+    gm, _ = traced_backward()
+    with pytest.raises(passes.locate.GraphMismatchError, match="3 values"):
+        passes.gradient_outputs(gm, num_forward_inputs=4)
+
+
+def test_rule_with_tensor_constant_is_rejected():
+    gm, fake_mode = traced_backward()
+    outputs = passes.gradient_outputs(gm, num_forward_inputs=3)
+    with pytest.raises(ValueError, match="tensor constant"):
+        passes.splice_rule(
+            gm, [outputs[0]], lambda gs: [gs[0] * torch.tensor([1.0, 2.0, 3.0])], label="const",
+            decompositions={}, fake_mode=fake_mode,
+        )

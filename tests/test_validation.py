@@ -1,0 +1,78 @@
+"""Bad input fails at construction with TypeError/ValueError naming the argument."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxgrad
+
+CASES = [
+    (lambda: fxgrad.clip_by_global_norm(-1.0), ValueError, "max_norm"),
+    (lambda: fxgrad.clip_by_global_norm(0.0), ValueError, "max_norm"),
+    (lambda: fxgrad.clip_by_global_norm(math.nan), ValueError, "max_norm"),
+    (lambda: fxgrad.clip_by_global_norm("1.0"), TypeError, "max_norm"),
+    (lambda: fxgrad.clip_by_global_norm(True), TypeError, "max_norm"),
+    (lambda: fxgrad.clip_by_global_norm(torch.tensor(1.0)), TypeError, "max_norm"),
+    (lambda: fxgrad.clip_by_global_norm(1.0, norm_type=0), ValueError, "norm_type"),
+    (lambda: fxgrad.clip_by_global_norm(1.0, norm_type=-2), ValueError, "norm_type"),
+    (lambda: fxgrad.clip_by_norm(-0.5), ValueError, "max_norm"),
+    (lambda: fxgrad.clip_by_norm(math.nan), ValueError, "max_norm"),
+    (lambda: fxgrad.clip_by_value(-0.1), ValueError, "clip_value"),
+    (lambda: fxgrad.clip_by_value(0), ValueError, "clip_value"),
+    (lambda: fxgrad.clip_by_value(math.nan), ValueError, "clip_value"),
+    (lambda: fxgrad.rescale(alpha=-0.5), ValueError, "alpha"),
+    (lambda: fxgrad.rescale(alpha=math.inf), ValueError, "alpha"),
+    (lambda: fxgrad.rescale(target="median"), ValueError, "target"),
+    (lambda: fxgrad.rescale(target=-1.0), ValueError, "target"),
+    (lambda: fxgrad.rescale(target=[1.0]), TypeError, "target"),
+    (lambda: fxgrad.rescale(multipliers={nn.Linear: -2}), ValueError, "multipliers"),
+    (lambda: fxgrad.rescale(multipliers={3: 2.0}), TypeError, "multipliers"),
+    (lambda: fxgrad.rescale(multipliers=[("*", 2.0)]), TypeError, "multipliers"),
+    (lambda: fxgrad.chain(fxgrad.clip_by_norm(1.0), "clip"), TypeError, "chain"),
+    (lambda: fxgrad.chain(torch.nn.utils.clip_grad_norm_), TypeError, "chain"),
+    (lambda: fxgrad.by_type({"Linear": fxgrad.clip_by_norm(1.0)}), TypeError, "by_type"),
+    (lambda: fxgrad.by_type({nn.Linear: 1.0}), TypeError, "mapping"),
+    (lambda: fxgrad.by_type([nn.Linear]), TypeError, "mapping"),
+    (lambda: fxgrad.by_type({}, default="clip"), TypeError, "default"),
+    (lambda: fxgrad.by_name({nn.Linear: fxgrad.clip_by_norm(1.0)}), TypeError, "by_name"),
+    (lambda: fxgrad.backend("clip"), TypeError, "transform"),
+    (lambda: fxgrad.backend(compiler="eager"), ValueError, "compiler"),
+    (lambda: fxgrad.backend(strict="yes"), TypeError, "strict"),
+    (lambda: fxgrad.backend(skip=nn.LayerNorm), TypeError, "skip"),
+    (lambda: fxgrad.backend(skip="LayerNorm"), TypeError, "skip"),
+    (lambda: fxgrad.backend(skip=(nn.LayerNorm, 3)), TypeError, "skip"),
+    (lambda: fxgrad.backend(skip=(int,)), TypeError, "skip"),
+    (lambda: fxgrad.backend(skip=("",)), ValueError, "skip"),
+]
+
+
+@pytest.mark.parametrize("build,error,argument", CASES, ids=[f"{i}-{c[2]}" for i, c in enumerate(CASES)])
+def test_bad_input_is_rejected_at_construction(build, error, argument):
+    with pytest.raises(error, match=argument):
+        build()
+
+
+def test_callable_target_returning_garbage_names_the_layer():
+    backend = fxgrad.backend(fxgrad.rescale(target=lambda depth, layer: -1.0), compiler="aot_eager")
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="(?s)target.*'0'"):
+        backend.compile(model)(torch.randn(1, 2)).sum().backward()
+
+
+def test_transforms_are_immutable_and_readable():
+    clip = fxgrad.clip_by_norm(1.0)
+    with pytest.raises(AttributeError):
+        clip.max_norm = 2.0
+    policy = fxgrad.chain(
+        fxgrad.by_type({nn.LSTM: fxgrad.clip_by_norm(0.5)}, default=fxgrad.clip_by_norm(1.0)),
+        fxgrad.rescale(alpha=0.3, multipliers={nn.Conv2d: 3.0, "*.q_proj": 1.3}),
+        fxgrad.clip_by_global_norm(1.0, norm_type=math.inf),
+    )
+    assert repr(policy) == (
+        "chain(by_type({LSTM: clip_by_norm(max_norm=0.5)}, default=clip_by_norm(max_norm=1.0)), "
+        "rescale(alpha=0.3, target='mean', multipliers={Conv2d: 3.0, '*.q_proj': 1.3}), "
+        "clip_by_global_norm(max_norm=1.0, norm_type=inf))"
+    )
+    assert fxgrad.clip_by_norm(1.0) == clip and hash(fxgrad.clip_by_norm(1.0)) == hash(clip)
