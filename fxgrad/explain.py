@@ -46,7 +46,7 @@ class Report:
     ``warnings``: the coverage warnings training would show.
     """
 
-    backend: Backend
+    backend: Backend  # the backend explained (the run used a non-strict copy)
     layers: list[LayerDecision]
     graphs: list[CapturedGraph]
     loss: torch.Tensor
@@ -113,7 +113,7 @@ def explain(model: nn.Module, *args: Any, backend: Backend, **kwargs: Any) -> Re
         loss = _loss_of(compiled(*args, **kwargs))
         loss.backward()
     messages = [str(w.message) for w in caught if issubclass(w.category, CoverageWarning)]
-    return Report(probe, _decisions(model, probe), probe.graphs, loss.detach(), messages)
+    return Report(backend, _decisions(model, probe), probe.graphs, loss.detach(), messages)
 
 
 @dataclasses.dataclass
