@@ -68,7 +68,7 @@ class Backend:
         self.strict = strict
         self.graphs: list[CapturedGraph] = []
         self._roots: dict[int, Root] = {}
-        self._forward_order: list[str] = []
+        self._forward_order: dict[str, None] = {}  # layer names, first use first
         self._reported: set[str] = set()
 
     def __repr__(self) -> str:
@@ -85,9 +85,7 @@ class Backend:
             g for g in self.graphs if g.compile_id != graph.compile_id or g.attempt >= graph.attempt
         ]
         self.graphs.append(graph)
-        for param in graph.params:
-            if param.layer not in self._forward_order:
-                self._forward_order.append(param.layer)
+        self._forward_order.update(dict.fromkeys(p.layer for p in graph.params))
         rewrite = functools.partial(self._rewrite_backward, graph)
         with _compat.autograd_cache_bypassed():
             return COMPILERS[self.compiler](gm, example_inputs, rewrite)
@@ -114,7 +112,7 @@ class Backend:
     def _rewrite_backward(self, graph: CapturedGraph, gm: torch.fx.GraphModule) -> None:
         outputs = passes.gradient_outputs(gm, graph.num_inputs)
         has_grad = {i for i, node in enumerate(outputs) if node is not None}
-        plan = plan_graph(self.transform, graph, has_grad, self._forward_order, self.skip)
+        plan = plan_graph(self.transform, graph, has_grad, list(self._forward_order), self.skip)
         if self.transform is not None:
             self._check_coverage(graph, plan, has_grad)
         graph.backward_before = normalize_code(gm.code)
@@ -131,7 +129,7 @@ class Backend:
 
     # ------------------------------------------------------------ coverage
 
-    def model_layers(self, graph: CapturedGraph, has_grad: set[int]) -> tuple[list[Layer], list[Layer]]:
+    def _model_layers(self, graph: CapturedGraph, has_grad: set[int]) -> tuple[list[Layer], list[Layer]]:
         """``(trainable, frozen)`` layers of the models ``graph`` belongs to.
 
         Parameters present in ``graph`` without a gradient are left out: eager
@@ -154,11 +152,11 @@ class Backend:
         ]
         frozen_layers = {row.layer for row in frozen} - {row.layer for row in trainable}
         frozen = [row for row in frozen if row.layer in frozen_layers]
-        order, skip = self._forward_order, self.skip
+        order, skip = list(self._forward_order), self.skip
         return build_layers(trainable, order, skip), build_layers(frozen, order, skip)
 
     def _check_coverage(self, graph: CapturedGraph, plan: GraphPlan, has_grad: set[int]) -> None:
-        trainable, frozen = self.model_layers(graph, has_grad)
+        trainable, frozen = self._model_layers(graph, has_grad)
         intended = self.transform.routes(trainable)
         locate = functools.partial(self.locate, graph)
         parts = self._parts_of_same_forward(graph)

@@ -7,8 +7,8 @@ frame being compiled; when it is an ``nn.Module`` (the compiled model, or a
 model the compiled function uses), the parameter is mapped to its first owner
 in that model's ``named_modules()`` order.
 
-A parameter whose root is not a module (a bare tensor argument) becomes a
-layer of its own, named after its source.
+A parameter whose root is not a module (an ``nn.Parameter`` passed as an
+argument) becomes a layer of its own, named after its variable.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def capture(
     for index, value, chain, root in found:
         owner = owners[id(root)].get(id(value)) if root is not None else None
         if owner is None:
-            name = chain[-1] if chain else f"input{index}"
+            name = _variable_name(chain[-1]) if chain else f"input{index}"
             owner, root = Owner(name, name, None, value), None
         params.append(
             ParamSlot(
