@@ -19,8 +19,10 @@ from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 import torch._guards
 from torch._guards import detect_fake_mode as _detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "TorchDispatchMode",
     "aot_eager_compile",
     "autograd_cache_bypassed",
     "compile_id",

@@ -52,6 +52,7 @@ class Backend:
         skip: Iterable[SkipEntry] = DEFAULT_SKIP,
         compiler: str = "inductor",
         strict: bool = True,
+        keep_code: bool = False,
     ) -> None:
         if transform is not None and not isinstance(transform, Transform):
             raise TypeError(
@@ -60,12 +61,14 @@ class Backend:
             )
         if compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {sorted(COMPILERS)}, got {compiler!r}")
-        if not isinstance(strict, bool):
-            raise TypeError(f"strict must be a bool, got {strict!r}")
+        for name, flag in (("strict", strict), ("keep_code", keep_code)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.transform = transform
         self.skip: tuple[SkipEntry, ...] = validate_skip(skip)
         self.compiler = compiler
         self.strict = strict
+        self.keep_code = keep_code
         self.graphs: list[CapturedGraph] = []
         self._roots: dict[int, Root] = {}
         self._forward_order: dict[str, None] = {}  # layer names, first use first
@@ -115,16 +118,22 @@ class Backend:
         plan = plan_graph(self.transform, graph, has_grad, list(self._forward_order), self.skip)
         if self.transform is not None:
             self._check_coverage(graph, plan, has_grad)
-        graph.backward_before = normalize_code(gm.code)
         graph.layers = list(plan.layers)
         graph.routes = plan.active_routes()
+        if self.keep_code:
+            graph.backward_before = normalize_code(gm.code)
         rewrite_backward(gm, plan, outputs)
+        if self.keep_code:
+            self._keep_code(graph, gm, outputs, has_grad)
+
+    @staticmethod
+    def _keep_code(graph: CapturedGraph, gm: torch.fx.GraphModule, outputs: list, has_grad: set[int]) -> None:
         graph.backward_after = normalize_code(gm.code)
         names = {p.index: p.name for p in graph.params}
+        slots = [slot for slot in sorted(has_grad) if slot in names]
+        returned = gm.graph.output_node().args[0]
         graph.inserted = render_inserted(
-            gm,
-            {outputs[slot]: names[slot] for slot in has_grad if slot in names},
-            {names[slot]: gm.graph.output_node().args[0][slot] for slot in sorted(has_grad) if slot in names},
+            gm, {outputs[slot]: names[slot] for slot in slots}, {names[slot]: returned[slot] for slot in slots}
         )
 
     # ------------------------------------------------------------ coverage
@@ -246,6 +255,7 @@ def backend(
     skip: Iterable[SkipEntry] = DEFAULT_SKIP,
     compiler: str = "inductor",
     strict: bool = True,
+    keep_code: bool = False,
 ) -> Backend:
     """A ``torch.compile`` backend that applies ``transform`` inside the backward graph.
 
@@ -258,9 +268,12 @@ def backend(
     * ``strict``: raise :class:`fxgrad.CoverageError` when a transform that
       reduces across layers would see only part of the model's gradients
       (graph breaks); ``False`` warns and applies it per graph.
+    * ``keep_code``: keep each backward graph's code before and after the
+      rewrite on ``backend.graphs`` (one code generation per graph;
+      :func:`fxgrad.explain` turns it on).
 
         >>> import torch, fxgrad
         >>> model = torch.compile(torch.nn.Linear(3, 3),
         ...                       backend=fxgrad.backend(fxgrad.clip_by_norm(1.0)))
     """
-    return Backend(transform, skip=skip, compiler=compiler, strict=strict)
+    return Backend(transform, skip=skip, compiler=compiler, strict=strict, keep_code=keep_code)

@@ -12,7 +12,9 @@ layers it acts on::
     >>> [(repr(r.leaf), r.names) for r in fxgrad.clip_by_norm(1.0).routes(layers)]
     [('clip_by_norm(max_norm=1.0)', ('fc',))]
 
-Leaves see gradients grouped per layer and return them in the same grouping.
+Most leaves only multiply each layer's gradients by a factor computed from
+layer norms (:class:`ScaleLeaf`); the others transform gradients directly
+(:class:`Leaf`). See ``fxgrad/execute.py`` for how they run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import ClassVar, Literal, Sequence
 import torch
 
 from fxgrad.layers import Layer
+from fxgrad.norms import Factor, NormStats
 
 Scope = Literal["element", "layer", "group"]
 LayerGrads = list[list[torch.Tensor]]
@@ -59,6 +62,21 @@ class Leaf(Transform):
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer]) -> LayerGrads:
         """Transform ``grads[i]`` (the gradients of ``layers[i]``); same structure out."""
+        raise NotImplementedError
+
+
+class ScaleLeaf(Leaf):
+    """A leaf that multiplies each layer's gradients by one factor ``>= 0``.
+
+    The factor depends on the layer norms only. ``norm_orders`` lists the
+    p-norms ``factors`` reads; consecutive scale leaves share one pass over
+    the gradients and a single multiplication per gradient.
+    """
+
+    norm_orders: tuple[float, ...] = (2.0,)
+
+    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer]) -> list[Factor]:
+        """One factor per layer, from ``stats[i]``, the norms of ``layers[i]``."""
         raise NotImplementedError
 
 

@@ -106,7 +106,9 @@ def explain(model: nn.Module, *args: Any, backend: Backend, **kwargs: Any) -> Re
     """
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
-    probe = Backend(backend.transform, skip=backend.skip, compiler=backend.compiler, strict=False)
+    probe = Backend(
+        backend.transform, skip=backend.skip, compiler=backend.compiler, strict=False, keep_code=True
+    )
     with _restored(model), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CoverageWarning)
         compiled = probe.compile(model)

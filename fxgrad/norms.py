@@ -1,53 +1,95 @@
-"""Norm and scaling helpers over lists of gradients, as plain torch code.
+"""Gradient norms as plain torch code, accumulated in float32.
 
-These are what the leaf transforms trace into the backward graph. Norms
-accumulate in float32 (or wider, for float64 gradients) whatever the gradient
-dtype; scaled gradients go back to their own dtype.
+Per layer, fxgrad keeps *power sums* ``sum |g|^p`` (the max of ``|g|`` for
+``p = inf``) rather than norms: they combine across parameters and layers by
+addition, and scaling a layer's gradients by ``f`` scales its power sum by
+``f^p``, so a chain of scaling transforms needs the gradients read once.
 
     >>> import torch
-    >>> total_norm([torch.ones(4), torch.ones(5)], 2.0)
+    >>> stats = NormStats.of([torch.ones(4), torch.ones(5)], (2.0,))
+    >>> stats.norm(2.0)
     tensor(3.)
+    >>> group_norm([stats, stats.scaled(torch.tensor(2.0))], 2.0)
+    tensor(6.7082)
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
+Factor = torch.Tensor | float
+
 
 def accumulation_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 gradients."""
     return torch.promote_types(tensor.dtype, torch.float32)
 
 
-def total_norm(tensors: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The ``norm_type``-norm of all elements of ``tensors`` together (a 0-dim tensor).
-
-    Equals ``torch.linalg.vector_norm(torch.stack([vector_norm(t, p) for t in tensors]), p)``,
-    the quantity ``clip_grad_norm_`` computes.
-    """
+def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+    """``sum |t|^p`` over all elements (``max |t|`` for ``p = inf``), a 0-dim tensor."""
     wide = [t.to(accumulation_dtype(t)) for t in tensors]
-    if math.isinf(norm_type):
-        return _combine([t.abs().amax() for t in wide], torch.maximum)
-    if norm_type == 2.0:
-        return _combine([(t * t).sum() for t in wide], torch.add).sqrt()
-    powered = _combine([t.abs().pow(norm_type).sum() for t in wide], torch.add)
-    return powered.pow(1.0 / norm_type)
+    if math.isinf(p):
+        return _reduce([t.abs().amax() for t in wide], torch.maximum)
+    if p == 2.0:
+        return _reduce([(t * t).sum() for t in wide], torch.add)
+    return _reduce([t.abs().pow(p).sum() for t in wide], torch.add)
 
 
-def _combine(values: list[torch.Tensor], op) -> torch.Tensor:
+def root(value: torch.Tensor, p: float) -> torch.Tensor:
+    """The norm from a power sum."""
+    if math.isinf(p):
+        return value
+    if p == 2.0:
+        return value.sqrt()
+    return value.pow(1.0 / p)
+
+
+def _reduce(values: Iterable[torch.Tensor], op) -> torch.Tensor:
+    values = list(values)
     result = values[0]
     for value in values[1:]:
         result = op(result, value)
     return result
 
 
-def scaled(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> list[torch.Tensor]:
-    """``t * factor`` for each tensor, computed in float32 and cast back."""
-    return [(t.to(accumulation_dtype(t)) * factor).to(t.dtype) for t in tensors]
+class NormStats:
+    """Power sums of one layer's gradients, for the norm orders a policy needs."""
+
+    def __init__(self, sums: dict[float, torch.Tensor]) -> None:
+        self.sums = sums
+        self._norms: dict[float, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, grads: Sequence[torch.Tensor], orders: Iterable[float]) -> NormStats:
+        return cls({p: power_sum(grads, p) for p in orders})
+
+    def norm(self, p: float) -> torch.Tensor:
+        if p not in self._norms:
+            self._norms[p] = root(self.sums[p], p)
+        return self._norms[p]
+
+    def scaled(self, factor: Factor) -> NormStats:
+        """The statistics of the gradients multiplied by ``factor >= 0``."""
+        return NormStats({
+            p: s * factor if math.isinf(p) else s * (factor * factor if p == 2.0 else factor ** p)
+            for p, s in self.sums.items()
+        })
+
+
+def group_norm(stats: Sequence[NormStats], p: float) -> torch.Tensor:
+    """The norm of several layers' gradients taken together."""
+    combine = torch.maximum if math.isinf(p) else torch.add
+    return root(_reduce((s.sums[p] for s in stats), combine), p)
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``min(1, max_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` computes it."""
-    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    return torch.clamp_max(max_norm / (norm + 1e-6), 1.0)
+
+
+def scaled(tensors: Sequence[torch.Tensor], factor: Factor) -> list[torch.Tensor]:
+    """``t * factor`` for each tensor, computed in float32 and cast back."""
+    return [(t.to(accumulation_dtype(t)) * factor).to(t.dtype) for t in tensors]

@@ -1,22 +1,20 @@
-"""Policy + layers -> plan: which traced rule runs on which backward outputs.
+"""Policy + layers -> plan: the layers of one backward graph and the routes over them.
 
     plan = plan_graph(policy, graph, has_grad={0, 1, 3}, order=[...], skip=DEFAULT_SKIP)
-    for route in plan.active_routes():
-        slots, rule = plan.rule(route)   # rule: list[Tensor] -> list[Tensor]
+    plan.slots["fc1"]        # backward output slots of fc1's gradients
+    plan.active_routes()     # the routes that select at least one layer
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch.nn as nn
 
 from fxgrad.base import Route, Transform
 from fxgrad.capture import CapturedGraph
 from fxgrad.layers import Layer, ParamRow, SkipEntry, build_layers, parameter_owners
-
-Rule = Callable[[list], list]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,20 +27,6 @@ class GraphPlan:
 
     def active_routes(self) -> list[Route]:
         return [route for route in self.routes if route.layers]
-
-    def rule(self, route: Route) -> tuple[list[int], Rule]:
-        """The output slots a route reads and writes, and its rule over them."""
-        counts = [len(self.slots[layer.name]) for layer in route.layers]
-        slots = [slot for layer in route.layers for slot in self.slots[layer.name]]
-
-        def rule(flat: list) -> list:
-            groups, start = [], 0
-            for count in counts:
-                groups.append(flat[start : start + count])
-                start += count
-            return [g for group in route.leaf.apply(groups, route.layers) for g in group]
-
-        return slots, rule
 
 
 def plan_graph(

@@ -1,7 +1,9 @@
 """Apply a :class:`~fxgrad.plan.GraphPlan` to a backward graph.
 
-Each active route is traced and spliced in order, so the graph reads top to
-bottom in policy order, each inserted node tagged with its route's label::
+The plan's routes run once, as plain torch code on the gradients' fake
+values, under a :class:`~fxgrad.record.GraphRecorder` that appends each op to
+the graph. The recorded nodes are tagged with the route they belong to, so the
+rewritten graph reads top to bottom in policy order::
 
     rewrite_backward(bw_gm, plan, passes.gradient_outputs(bw_gm, num_inputs))
 """
@@ -12,7 +14,9 @@ import torch.fx
 
 import passes
 from fxgrad import _compat
+from fxgrad.execute import execute
 from fxgrad.plan import GraphPlan
+from fxgrad.record import GraphRecorder
 
 
 def rewrite_backward(
@@ -23,19 +27,13 @@ def rewrite_backward(
     if not routes:
         return
     signature = passes.output_signature(gm)
-    current = {i: node for i, node in enumerate(outputs) if node is not None}
-    fake_mode = _compat.detect_fake_mode([node.meta["val"] for node in current.values()])
-    decompositions = _compat.inductor_decompositions()
-    for route in routes:
-        slots, rule = plan.rule(route)
-        results = passes.splice_rule(
-            gm,
-            [current[slot] for slot in slots],
-            rule,
-            label=route.label,
-            decompositions=decompositions,
-            fake_mode=fake_mode,
-        )
-        current.update(zip(slots, results))
-    passes.replace_gradient_outputs(gm, current)
+    values = [node.meta["val"] for node in outputs if node is not None]
+    recorder = GraphRecorder(gm, _compat.detect_fake_mode(values), _compat.inductor_decompositions())
+    grads = {name: [recorder.bind(outputs[slot]) for slot in slots] for name, slots in plan.slots.items()}
+    with recorder.recording():
+        execute(routes, grads, lambda label: setattr(recorder, "label", label))
+    passes.replace_gradient_outputs(
+        gm,
+        {slot: recorder.node(grad) for name, slots in plan.slots.items() for slot, grad in zip(slots, grads[name])},
+    )
     passes.check_outputs(gm, signature)

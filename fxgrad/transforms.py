@@ -20,8 +20,9 @@ from typing import Callable, ClassVar, Mapping, Sequence
 import torch.nn as nn
 
 from fxgrad import _validate, norms
-from fxgrad.base import LayerGrads, Leaf
+from fxgrad.base import LayerGrads, Leaf, ScaleLeaf
 from fxgrad.layers import Layer
+from fxgrad.norms import Factor, NormStats
 
 
 def _call_repr(name: str, **kwargs) -> str:
@@ -29,7 +30,7 @@ def _call_repr(name: str, **kwargs) -> str:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class ClipByGlobalNorm(Leaf):
+class ClipByGlobalNorm(ScaleLeaf):
     """See :func:`clip_by_global_norm`."""
 
     max_norm: float
@@ -42,14 +43,17 @@ class ClipByGlobalNorm(Leaf):
         extra = {} if self.norm_type == 2.0 else {"norm_type": self.norm_type}
         return _call_repr("clip_by_global_norm", max_norm=self.max_norm, **extra)
 
-    def apply(self, grads: LayerGrads, layers: Sequence[Layer]) -> LayerGrads:
-        total = norms.total_norm([g for group in grads for g in group], self.norm_type)
-        coef = norms.clip_coefficient(total, self.max_norm)
-        return [norms.scaled(group, coef) for group in grads]
+    @property
+    def norm_orders(self) -> tuple[float, ...]:
+        return (self.norm_type,)
+
+    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer]) -> list[Factor]:
+        coef = norms.clip_coefficient(norms.group_norm(stats, self.norm_type), self.max_norm)
+        return [coef] * len(stats)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class ClipByNorm(Leaf):
+class ClipByNorm(ScaleLeaf):
     """See :func:`clip_by_norm`."""
 
     max_norm: float
@@ -59,12 +63,12 @@ class ClipByNorm(Leaf):
         extra = {} if self.norm_type == 2.0 else {"norm_type": self.norm_type}
         return _call_repr("clip_by_norm", max_norm=self.max_norm, **extra)
 
-    def apply(self, grads: LayerGrads, layers: Sequence[Layer]) -> LayerGrads:
-        out = []
-        for group in grads:
-            coef = norms.clip_coefficient(norms.total_norm(group, self.norm_type), self.max_norm)
-            out.append(norms.scaled(group, coef))
-        return out
+    @property
+    def norm_orders(self) -> tuple[float, ...]:
+        return (self.norm_type,)
+
+    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer]) -> list[Factor]:
+        return [norms.clip_coefficient(s.norm(self.norm_type), self.max_norm) for s in stats]
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -88,7 +92,7 @@ MultiplierKey = type | str
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Rescale(Leaf):
+class Rescale(ScaleLeaf):
     """See :func:`rescale`."""
 
     alpha: float = 0.5
@@ -127,20 +131,18 @@ class Rescale(Leaf):
         except (TypeError, ValueError) as error:
             raise type(error)(f"target(depth, layer) for layer {layer.name!r}: {error}") from None
 
-    def apply(self, grads: LayerGrads, layers: Sequence[Layer]) -> LayerGrads:
-        layer_norms = [norms.total_norm(group, 2.0) for group in grads]
+    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer]) -> list[Factor]:
+        layer_norms = [s.norm(2.0) for s in stats]
         if self.target == "mean":
             mean = sum(layer_norms[1:], layer_norms[0]) / len(layer_norms)
-            targets = [mean] * len(layers)
+            targets: list = [mean] * len(layers)
         else:
             targets = [self.layer_target(layer) for layer in layers]
-        out = []
-        for group, layer, norm, target in zip(grads, layers, layer_norms, targets):
+        out: list[Factor] = []
+        for layer, norm, target in zip(layers, layer_norms, targets):
             factor = (target / (norm + self.EPS)) ** self.alpha
             multiplier = self.multiplier(layer)
-            if multiplier != 1.0:
-                factor = factor * multiplier
-            out.append(norms.scaled(group, factor))
+            out.append(factor * multiplier if multiplier != 1.0 else factor)
         return out
 
 

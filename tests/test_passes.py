@@ -1,4 +1,4 @@
-"""The pure graph passes on hand-made graphs."""
+"""The pure graph passes and the recorder, on hand-made graphs."""
 
 import pytest
 import torch
@@ -7,6 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import passes
 from fxgrad import _compat
+from fxgrad.record import GraphRecorder
 
 
 def traced_backward():
@@ -21,16 +22,21 @@ def traced_backward():
     return gm, fake_mode
 
 
-def test_splice_keeps_contract_and_tags_nodes():
+def record(gm, fake_mode, nodes, rule, label="rule"):
+    recorder = GraphRecorder(gm, fake_mode, _compat.inductor_decompositions())
+    values = [recorder.bind(node) for node in nodes]
+    with recorder.recording():
+        recorder.label = label
+        results = rule(values)
+    return [recorder.node(r) for r in results]
+
+
+def test_recorded_rule_keeps_contract_and_tags_nodes():
     gm, fake_mode = traced_backward()
     signature = passes.output_signature(gm)
     outputs = passes.gradient_outputs(gm, num_forward_inputs=3)
     assert outputs[1] is None
-    grads = [outputs[0], outputs[2]]
-    new = passes.splice_rule(
-        gm, grads, lambda gs: [g * 0.5 for g in gs], label="halve",
-        decompositions=_compat.inductor_decompositions(), fake_mode=fake_mode,
-    )
+    new = record(gm, fake_mode, [outputs[0], outputs[2]], lambda gs: [g * 0.5 for g in gs], "halve")
     passes.replace_gradient_outputs(gm, {0: new[0], 2: new[1]})
     passes.check_outputs(gm, signature)
     inserted = passes.inserted_nodes(gm)
@@ -41,14 +47,20 @@ def test_splice_keeps_contract_and_tags_nodes():
     assert out[1] is None
 
 
+def test_recorder_decomposes_like_inductor():
+    gm, fake_mode = traced_backward()
+    outputs = passes.gradient_outputs(gm, num_forward_inputs=3)
+    record(gm, fake_mode, [outputs[0]], lambda gs: [gs[0].clamp(-1.0, 1.0)])
+    assert [n.target for n in passes.inserted_nodes(gm)] == [
+        torch.ops.aten.clamp_min.default, torch.ops.aten.clamp_max.default,
+    ]
+
+
 def test_check_outputs_catches_dtype_change():
     gm, fake_mode = traced_backward()
     signature = passes.output_signature(gm)
     outputs = passes.gradient_outputs(gm, num_forward_inputs=3)
-    new = passes.splice_rule(
-        gm, [outputs[0]], lambda gs: [g.double() for g in gs], label="widen",
-        decompositions={}, fake_mode=fake_mode,
-    )
+    new = record(gm, fake_mode, [outputs[0]], lambda gs: [g.double() for g in gs])
     passes.replace_gradient_outputs(gm, {0: new[0]})
     with pytest.raises(AssertionError, match="output 0"):
         passes.check_outputs(gm, signature)
@@ -56,7 +68,7 @@ def test_check_outputs_catches_dtype_change():
 
 def test_gradient_outputs_refuses_count_mismatch():
     gm, _ = traced_backward()
-    with pytest.raises(passes.locate.GraphMismatchError, match="3 values"):
+    with pytest.raises(passes.GraphMismatchError, match="3 values"):
         passes.gradient_outputs(gm, num_forward_inputs=4)
 
 
@@ -64,7 +76,4 @@ def test_rule_with_tensor_constant_is_rejected():
     gm, fake_mode = traced_backward()
     outputs = passes.gradient_outputs(gm, num_forward_inputs=3)
     with pytest.raises(ValueError, match="tensor constant"):
-        passes.splice_rule(
-            gm, [outputs[0]], lambda gs: [gs[0] * torch.tensor([1.0, 2.0, 3.0])], label="const",
-            decompositions={}, fake_mode=fake_mode,
-        )
+        record(gm, fake_mode, [outputs[0]], lambda gs: [gs[0] * torch.tensor([1.0, 2.0, 3.0])])
