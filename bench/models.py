@@ -1,0 +1,64 @@
+"""Benchmark models, sized for a CPU: a GPT-2, a small ResNet, a deep MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def gpt2(scale: float = 1.0):
+    """GPT-2 from transformers, random weights; returns (model, batch) and the loss function."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    layers = max(1, round(4 * scale))
+    config = GPT2Config(
+        vocab_size=2048, n_positions=128, n_embd=128, n_layer=layers, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    ids = torch.randint(0, 2048, (8, 64))
+    return GPT2LMHeadModel(config), (ids,), {"labels": ids}
+
+
+class _Block(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+class ResNet(nn.Module):
+    def __init__(self, channels: int = 32, blocks: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.blocks = nn.Sequential(*[_Block(channels) for _ in range(blocks)])
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(torch.relu(self.bn(self.stem(x))))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def resnet(scale: float = 1.0):
+    return ResNet(blocks=max(1, round(4 * scale))), (torch.randn(16, 3, 32, 32),), {}
+
+
+def deep_mlp(scale: float = 1.0):
+    """Many small tensors: the launch-bound case."""
+    depth = max(2, round(48 * scale))
+    layers = [nn.Linear(64, 64) if i % 2 == 0 else nn.GELU() for i in range(2 * depth)]
+    return nn.Sequential(*layers, nn.Linear(64, 1)), (torch.randn(32, 64),), {}
+
+
+MODELS = {"gpt2": gpt2, "resnet": resnet, "deep_mlp": deep_mlp}
+
+
+def loss_of(output) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    return loss if loss is not None else output.float().pow(2).mean()

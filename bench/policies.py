@@ -1,0 +1,56 @@
+"""Each benchmarked policy, as an fxgrad transform and as its eager equivalent.
+
+The eager equivalents are what people write today, run after the compiled
+model's ``backward()``: ``clip_grad_norm_(foreach=True)``, and per-layer loops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import fxgrad
+
+NORM_LAYERS = (nn.LayerNorm, nn.BatchNorm2d)
+
+
+def layers_of(model: nn.Module) -> list[list[torch.Tensor]]:
+    """Gradients per non-norm layer (tied weights counted once)."""
+    seen: set[int] = set()
+    out = []
+    for module in model.modules():
+        params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if params and not isinstance(module, NORM_LAYERS):
+            out.append(params)
+    return out
+
+
+def eager_global_clip(model: nn.Module, layers) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+
+
+def eager_per_layer_clip(model: nn.Module, layers) -> None:
+    for params in layers:
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+
+
+def eager_rescale(model: nn.Module, layers, alpha: float = 0.5) -> None:
+    norms = torch.stack([torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(p.grad) for p in params])) for params in layers])
+    factors = (norms.mean() / (norms + 1e-7)) ** alpha
+    for params, factor in zip(layers, factors):
+        torch._foreach_mul_([p.grad for p in params], factor)
+
+
+def eager_full(model: nn.Module, layers) -> None:
+    eager_rescale(model, layers)
+    eager_per_layer_clip(model, layers)
+
+
+POLICIES = {
+    "global_clip": (fxgrad.clip_by_global_norm(1.0), eager_global_clip),
+    "per_layer_clip": (fxgrad.clip_by_norm(1.0), eager_per_layer_clip),
+    "rescale": (fxgrad.rescale(alpha=0.5), eager_rescale),
+    "full": (fxgrad.chain(fxgrad.rescale(alpha=0.5), fxgrad.clip_by_norm(1.0)), eager_full),
+}
