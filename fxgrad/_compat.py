@@ -20,9 +20,13 @@ import torch._guards
 from torch._guards import detect_fake_mode as _detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes
 
 __all__ = [
     "TorchDispatchMode",
+    "outside_dispatch_modes",
+    "grad_scaler_scale",
+    "foreach_norm",
     "aot_eager_compile",
     "autograd_cache_bypassed",
     "compile_id",
@@ -158,3 +162,17 @@ def rnn_capture_enabled() -> bool:
 def dynamo_config() -> Any:
     """``torch._dynamo.config``, for the settings fxgrad documents."""
     return torch._dynamo.config
+
+
+def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:
+    """The device tensor holding a ``torch.amp.GradScaler``'s current scale.
+
+    ``None`` until the scaler's first ``scale()`` call creates it; ``update()``
+    changes it in place.
+    """
+    return scaler._scale
+
+
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, in as few kernels as torch can."""
+    return list(torch._foreach_norm(tensors))

@@ -34,6 +34,7 @@ from fxgrad.coverage import FATAL_ADVICE, CoverageError, CoverageWarning, Gap, f
 from fxgrad.layers import DEFAULT_SKIP, Layer, ParamRow, SkipEntry, build_layers, validate_skip
 from fxgrad.plan import GraphPlan, model_rows, plan_graph
 from fxgrad.rewrite import rewrite_backward
+from fxgrad.state import StateStore
 
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
 
@@ -53,6 +54,7 @@ class Backend:
         compiler: str = "inductor",
         strict: bool = True,
         keep_code: bool = False,
+        scaler: Any = None,
     ) -> None:
         if transform is not None and not isinstance(transform, Transform):
             raise TypeError(
@@ -69,6 +71,8 @@ class Backend:
         self.compiler = compiler
         self.strict = strict
         self.keep_code = keep_code
+        self.scaler = _check_scaler(scaler, transform)
+        self.store = StateStore()
         self.graphs: list[CapturedGraph] = []
         self._roots: dict[int, Root] = {}
         self._forward_order: dict[str, None] = {}  # layer names, first use first
@@ -122,7 +126,10 @@ class Backend:
         graph.routes = plan.active_routes()
         if self.keep_code:
             graph.backward_before = normalize_code(gm.code)
-        rewrite_backward(gm, plan, outputs)
+        params = {p.layer: [] for p in graph.params}
+        for p in graph.params:
+            params[p.layer].append(p.tensor)
+        rewrite_backward(gm, plan, outputs, self.store, self.scaler, lambda layer: [r() for r in params[layer]])
         if self.keep_code:
             self._keep_code(graph, gm, outputs, has_grad)
 
@@ -135,6 +142,40 @@ class Backend:
         graph.inserted = render_inserted(
             gm, {outputs[slot]: names[slot] for slot in slots}, {names[slot]: returned[slot] for slot in slots}
         )
+
+    # ------------------------------------------------------------ state
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """The latest step's statistics: ``{name: 0-dim tensor}``, on the device.
+
+        A snapshot (one copy per group, no host sync) that loggers take as is::
+
+            if step % 100 == 0:
+                wandb.log({k: v.item() for k, v in backend.stats().items()})
+
+        Per-layer entries are ``<stat>/<layer>``; ``grad_norm/total`` and
+        ``grad_norm/total_clipped`` are derived from the per-layer norms when no
+        global clip reported them.
+        """
+        snapshot = {}
+        for group in self.store.stats.values():
+            copy = group.buffer.clone()
+            for key, (offset, _) in group.layout.items():
+                snapshot[key] = copy[offset]
+        for prefix, total in (("grad_norm/", "grad_norm/total"), ("grad_norm_clipped/", "grad_norm/total_clipped")):
+            layers = [v for k, v in snapshot.items() if k.startswith(prefix) and k != total
+                      and not k.startswith("grad_norm/total")]
+            if layers and total not in snapshot:
+                snapshot[total] = torch.stack(layers).square().sum().sqrt()
+        return dict(sorted(snapshot.items()))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Histories, EMAs, thresholds and counters, by key, for checkpoints."""
+        return self.store.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict` (before or after the first compile)."""
+        self.store.load_state_dict(state)
 
     # ------------------------------------------------------------ coverage
 
@@ -245,6 +286,21 @@ class Backend:
             warnings.warn(message, CoverageWarning, stacklevel=3)
 
 
+def _check_scaler(scaler: Any, transform: Transform | None) -> Any:
+    if scaler is None:
+        return None
+    if not hasattr(scaler, "unscale_") or not hasattr(scaler, "update"):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    leaves = {leaf.name for leaf in transform.leaves()} if transform is not None else set()
+    hiding = leaves & {"zero_nonfinite", "skip_nonfinite"}
+    if hiding:
+        raise ValueError(
+            f"scaler: {sorted(hiding)} would hide the Inf/NaN the GradScaler needs to see to "
+            "skip the step and lower the scale; leave non-finite handling to the scaler"
+        )
+    return scaler
+
+
 def _layers_of(gaps: Sequence[Gap]) -> list[Layer]:
     return [layer for gap in gaps for layer, _ in gap.layers]
 
@@ -256,6 +312,7 @@ def backend(
     compiler: str = "inductor",
     strict: bool = True,
     keep_code: bool = False,
+    scaler: Any = None,
 ) -> Backend:
     """A ``torch.compile`` backend that applies ``transform`` inside the backward graph.
 
@@ -271,9 +328,12 @@ def backend(
     * ``keep_code``: keep each backward graph's code before and after the
       rewrite on ``backend.graphs`` (one code generation per graph;
       :func:`fxgrad.explain` turns it on).
+    * ``scaler``: the ``torch.amp.GradScaler`` whose scaled loss you backprop.
+      Transforms then act on unscaled values (reading the scale on the device
+      every step) and leave Inf/NaN for the scaler to find.
 
         >>> import torch, fxgrad
         >>> model = torch.compile(torch.nn.Linear(3, 3),
         ...                       backend=fxgrad.backend(fxgrad.clip_by_norm(1.0)))
     """
-    return Backend(transform, skip=skip, compiler=compiler, strict=strict, keep_code=keep_code)
+    return Backend(transform, skip=skip, compiler=compiler, strict=strict, keep_code=keep_code, scaler=scaler)

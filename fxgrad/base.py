@@ -20,12 +20,15 @@ layer norms (:class:`ScaleLeaf`); the others transform gradients directly
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal, Sequence
+from typing import TYPE_CHECKING, ClassVar, Literal, Sequence
 
 import torch
 
 from fxgrad.layers import Layer
 from fxgrad.norms import Factor, NormStats
+
+if TYPE_CHECKING:
+    from fxgrad.context import RouteContext
 
 Scope = Literal["element", "layer", "group"]
 LayerGrads = list[list[torch.Tensor]]
@@ -42,6 +45,10 @@ class Transform:
         """
         raise NotImplementedError
 
+    def leaves(self) -> list[Leaf]:
+        """Every leaf of the policy, in order."""
+        return [route.leaf for route in self.routes(())]
+
 
 class Leaf(Transform):
     """A transform that computes something.
@@ -54,14 +61,18 @@ class Leaf(Transform):
 
     scope: ClassVar[Scope] = "layer"
     per_layer: ClassVar[bool] = True
+    name: ClassVar[str] = "leaf"  # the factory's name; namespaces state and statistics
 
     def routes(self, layers: Sequence[Layer]) -> list[Route]:
         if self.per_layer:
             layers = [layer for layer in layers if layer.skip_reason is None]
         return [Route(self, tuple(layers))]
 
-    def apply(self, grads: LayerGrads, layers: Sequence[Layer]) -> LayerGrads:
-        """Transform ``grads[i]`` (the gradients of ``layers[i]``); same structure out."""
+    def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
+        """Transform ``grads[i]`` (the gradients of ``layers[i]``); same structure out.
+
+        ``ctx`` gives device-side state, the loss scale and statistics.
+        """
         raise NotImplementedError
 
 
@@ -75,8 +86,11 @@ class ScaleLeaf(Leaf):
 
     norm_orders: tuple[float, ...] = (2.0,)
 
-    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer]) -> list[Factor]:
-        """One factor per layer, from ``stats[i]``, the norms of ``layers[i]``."""
+    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
+        """One factor per layer, from ``stats[i]``, the (unscaled) norms of ``layers[i]``.
+
+        A factor is a 0-dim tensor or a Python float; ``1.0`` costs nothing.
+        """
         raise NotImplementedError
 
 

@@ -40,6 +40,7 @@ class ParamSlot:
     module_type: type | None
     numel: int
     root: int | None  # id() of the model it belongs to, None for a loose tensor
+    tensor: weakref.ref  # the parameter itself, for transforms that read weights
 
 
 @dataclasses.dataclass
@@ -121,6 +122,7 @@ def capture(
                 module_type=type(owner.module) if owner.module is not None else None,
                 numel=value.numel(),
                 root=id(root) if root is not None else None,
+                tensor=weakref.ref(value),
             )
         )
     compile_id, attempt = _compat.compile_id(gm)

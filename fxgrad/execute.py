@@ -7,8 +7,9 @@ product of its factors. So ``chain(rescale(), clip_by_norm(1.0),
 clip_by_global_norm(1.0))`` costs one read and one write per gradient, and
 matches applying the three one after the other up to float rounding.
 
-    grads = {"fc": [w_grad, b_grad], "ln": [...]}
-    execute(routes, grads, set_label=lambda text: None)   # updates grads in place
+With a GradScaler the gradients in the graph are scaled; norms are divided by
+the scale first, so every transform sees unscaled values, and the factors
+multiply the scaled gradients (``unscale_`` later divides them).
 """
 
 from __future__ import annotations
@@ -19,44 +20,87 @@ import torch
 
 from fxgrad import norms
 from fxgrad.base import Route, ScaleLeaf
+from fxgrad.context import GraphContext
+
+Grads = dict[str, list[torch.Tensor]]
 
 
-def execute(
-    routes: Sequence[Route], grads: dict[str, list[torch.Tensor]], set_label: Callable[[str], None]
-) -> None:
-    """Apply ``routes`` in order to ``grads`` (layer name -> its gradients), in place.
+class Executor:
+    """Applies routes to ``grads`` (layer name -> its gradients) in place."""
 
-    ``set_label`` is told which route (or shared step) the following ops belong to.
-    """
-    start = 0
-    while start < len(routes):
-        end = start + 1
-        if isinstance(routes[start].leaf, ScaleLeaf):
-            while end < len(routes) and isinstance(routes[end].leaf, ScaleLeaf):
-                end += 1
-            _scale_run(routes[start:end], grads, set_label)
-        else:
-            route = routes[start]
-            set_label(route.label)
-            new = route.leaf.apply([grads[name] for name in route.names], route.layers)
-            grads.update(zip(route.names, new))
-        start = end
+    def __init__(self, grads: Grads, graph: GraphContext, set_label: Callable[[str], None]) -> None:
+        self.grads, self.graph, self.set_label = grads, graph, set_label
+        self.inverse_scale = None if graph.scale is None else 1.0 / graph.scale
+        # layer -> (its norm statistics when read, factor applied since), while still valid
+        self._norms: dict[str, tuple[norms.NormStats, norms.Factor]] = {}
+        self._at_end: list[Callable[[], None]] = []
+
+    def run(self, routes: Sequence[tuple[int, Route]]) -> None:
+        start = 0
+        while start < len(routes):
+            end = start + 1
+            if isinstance(routes[start][1].leaf, ScaleLeaf):
+                while end < len(routes) and isinstance(routes[end][1].leaf, ScaleLeaf):
+                    end += 1
+                self._scale_run(routes[start:end])
+            else:
+                self._apply(*routes[start])
+            start = end
+        if self._at_end:
+            self.set_label("telemetry after the policy")
+        for callback in self._at_end:
+            callback()
+
+    def norms_now(self, names: Sequence[str], orders: Sequence[float]) -> list[norms.NormStats]:
+        """Unscaled norm statistics of the current gradients of ``names``."""
+        out = []
+        for name in names:
+            known = self._norms.get(name)
+            if known is not None and all(p in known[0].sums for p in orders):
+                out.append(known[0].scaled(known[1]) if not _is_one(known[1]) else known[0])
+            else:
+                stats = norms.NormStats.of(self.grads[name], orders)
+                if self.inverse_scale is not None:
+                    stats = stats.scaled(self.inverse_scale)
+                self._norms[name] = (stats, 1.0)
+                out.append(stats)
+        return out
+
+    def at_end(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` after the last route (e.g. to read the final norms)."""
+        self._at_end.append(callback)
+
+    def _apply(self, index: int, route: Route) -> None:
+        self.set_label(route.label)
+        ctx = self.graph.route(index, route.leaf.name, route.layers, self)
+        new = route.leaf.apply([self.grads[name] for name in route.names], route.layers, ctx)
+        self.grads.update(zip(route.names, new))
+        for name in route.names:
+            self._norms.pop(name, None)
+
+    def _scale_run(self, run: Sequence[tuple[int, Route]]) -> None:
+        orders = sorted({p for _, route in run for p in route.leaf.norm_orders})
+        names = list(dict.fromkeys(name for _, route in run for name in route.names))
+        self.set_label("layer norms for " + ", ".join(repr(route.leaf) for _, route in run))
+        current = dict(zip(names, self.norms_now(names, orders)))
+        last_use = {name: i for i, (_, route) in enumerate(run) for name in route.names}
+        factors: dict[str, norms.Factor] = {}
+        for i, (index, route) in enumerate(run):
+            self.set_label(route.label)
+            ctx = self.graph.route(index, route.leaf.name, route.layers, self)
+            new = route.leaf.factors([current[n] for n in route.names], route.layers, ctx)
+            for name, factor in zip(route.names, new):
+                if _is_one(factor):
+                    continue
+                factors[name] = factor if name not in factors else factors[name] * factor
+                if last_use[name] > i:
+                    current[name] = current[name].scaled(factor)
+        self.set_label("scale gradients")
+        for name, factor in factors.items():
+            self.grads[name] = norms.scaled(self.grads[name], factor)
+            stats, before = self._norms[name]
+            self._norms[name] = (stats, factor if _is_one(before) else before * factor)
 
 
-def _scale_run(
-    run: Sequence[Route], grads: dict[str, list[torch.Tensor]], set_label: Callable[[str], None]
-) -> None:
-    orders = sorted({p for route in run for p in route.leaf.norm_orders})
-    last_use = {name: i for i, route in enumerate(run) for name in route.names}
-    set_label("layer norms for " + ", ".join(repr(route.leaf) for route in run))
-    stats = {name: norms.NormStats.of(grads[name], orders) for name in last_use}
-    factors: dict[str, norms.Factor] = {}
-    for i, route in enumerate(run):
-        set_label(route.label)
-        for name, factor in zip(route.names, route.leaf.factors([stats[n] for n in route.names], route.layers)):
-            factors[name] = factor if name not in factors else factors[name] * factor
-            if last_use[name] > i:
-                stats[name] = stats[name].scaled(factor)
-    set_label("scale gradients")
-    for name, factor in factors.items():
-        grads[name] = norms.scaled(grads[name], factor)
+def _is_one(factor: norms.Factor) -> bool:
+    return isinstance(factor, float) and factor == 1.0

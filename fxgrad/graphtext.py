@@ -21,15 +21,19 @@ from typing import Any, Mapping
 import torch.fx
 
 import passes
+from fxgrad.state import group_label
 
 _DELETIONS = re.compile(r";\s+[\w\s=]+= None$")
+_GROUP_NAME = re.compile(r"'([gx]\d+)'")
 
 
 def normalize_code(code: str) -> str:
-    """``gm.code`` without variable deletions, ``torch.ops.`` prefixes and blank lines."""
+    """``gm.code`` without variable deletions, ``torch.ops.`` prefixes and blank lines;
+    state group names become their labels (``<stats>``)."""
     lines = []
     for line in code.splitlines():
         line = _DELETIONS.sub("", line.rstrip()).replace("torch.ops.", "")
+        line = _GROUP_NAME.sub(lambda m: f"<{group_label(m.group(1)) or m.group(1)}>", line)
         if line.strip():
             lines.append(line)
     return "\n".join(lines) + "\n"
@@ -74,4 +78,6 @@ def _arg(value: Any, names: Mapping[torch.fx.Node, str]) -> str:
         return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
     if isinstance(value, torch.dtype):
         return str(value)
+    if isinstance(value, str) and group_label(value) is not None:
+        return f"<{group_label(value)}>"  # state group names are process-specific
     return repr(value)

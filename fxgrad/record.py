@@ -76,7 +76,9 @@ class GraphRecorder(TorchDispatchMode):
             if result is not NotImplemented:
                 return result
         result = func(*args, **kwargs)
-        if isinstance(result, torch.Tensor):
+        if result is None:  # an op run for its side effect, e.g. fxgrad::save_state
+            self._record(func, args, kwargs, None)
+        elif isinstance(result, torch.Tensor):
             if any(result is arg for arg in args):
                 return result  # e.g. .to() to the same dtype
             self._record(func, args, kwargs, result)

@@ -10,28 +10,48 @@ rewritten graph reads top to bottom in policy order::
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
+import torch
 import torch.fx
 
 import passes
 from fxgrad import _compat
-from fxgrad.execute import execute
+from fxgrad.context import GraphContext
+from fxgrad.execute import Executor
 from fxgrad.plan import GraphPlan
 from fxgrad.record import GraphRecorder
+from fxgrad.state import StateStore
 
 
 def rewrite_backward(
-    gm: torch.fx.GraphModule, plan: GraphPlan, outputs: list[torch.fx.Node | None]
+    gm: torch.fx.GraphModule,
+    plan: GraphPlan,
+    outputs: list[torch.fx.Node | None],
+    store: StateStore,
+    scaler: Any = None,
+    params: Callable[[str], list[torch.Tensor]] | None = None,
 ) -> None:
-    """Insert the plan's rules before ``gm``'s output and return their results instead."""
-    routes = plan.active_routes()
+    """Insert the plan's rules before ``gm``'s output and return their results instead.
+
+    ``store`` holds the transforms' device state; ``scaler`` is the GradScaler
+    whose scale the gradients carry, if any; ``params(layer)`` returns a
+    layer's parameters (for transforms that read weights).
+    """
+    routes = [(i, route) for i, route in enumerate(plan.routes) if route.layers]
     if not routes:
         return
     signature = passes.output_signature(gm)
     values = [node.meta["val"] for node in outputs if node is not None]
     recorder = GraphRecorder(gm, _compat.detect_fake_mode(values), _compat.inductor_decompositions())
     grads = {name: [recorder.bind(outputs[slot]) for slot in slots] for name, slots in plan.slots.items()}
+    set_label = lambda label: setattr(recorder, "label", label)  # noqa: E731
     with recorder.recording():
-        execute(routes, grads, lambda label: setattr(recorder, "label", label))
+        set_label("loss scale")
+        graph = GraphContext(store, values[0].device, scaler, params)
+        Executor(grads, graph, set_label).run(routes)
+        set_label("statistics")
+        graph.finish()
     passes.replace_gradient_outputs(
         gm,
         {slot: recorder.node(grad) for name, slots in plan.slots.items() for slot, grad in zip(slots, grads[name])},

@@ -17,10 +17,12 @@ import dataclasses
 import fnmatch
 from typing import Callable, ClassVar, Mapping, Sequence
 
+import torch
 import torch.nn as nn
 
 from fxgrad import _validate, norms
 from fxgrad.base import LayerGrads, Leaf, ScaleLeaf
+from fxgrad.context import RouteContext
 from fxgrad.layers import Layer
 from fxgrad.norms import Factor, NormStats
 
@@ -38,6 +40,7 @@ class ClipByGlobalNorm(ScaleLeaf):
 
     scope = "group"
     per_layer = False
+    name = "clip_by_global_norm"
 
     def __repr__(self) -> str:
         extra = {} if self.norm_type == 2.0 else {"norm_type": self.norm_type}
@@ -47,8 +50,12 @@ class ClipByGlobalNorm(ScaleLeaf):
     def norm_orders(self) -> tuple[float, ...]:
         return (self.norm_type,)
 
-    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer]) -> list[Factor]:
-        coef = norms.clip_coefficient(norms.group_norm(stats, self.norm_type), self.max_norm)
+    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
+        total = norms.group_norm(stats, self.norm_type)
+        coef = norms.clip_coefficient(total, self.max_norm)
+        ctx.emit("grad_norm/total", total)
+        ctx.emit("grad_norm/total_clipped", total * coef)
+        ctx.emit("clip_coef", coef)
         return [coef] * len(stats)
 
 
@@ -59,6 +66,8 @@ class ClipByNorm(ScaleLeaf):
     max_norm: float
     norm_type: float = 2.0
 
+    name = "clip_by_norm"
+
     def __repr__(self) -> str:
         extra = {} if self.norm_type == 2.0 else {"norm_type": self.norm_type}
         return _call_repr("clip_by_norm", max_norm=self.max_norm, **extra)
@@ -67,7 +76,7 @@ class ClipByNorm(ScaleLeaf):
     def norm_orders(self) -> tuple[float, ...]:
         return (self.norm_type,)
 
-    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer]) -> list[Factor]:
+    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         return [norms.clip_coefficient(s.norm(self.norm_type), self.max_norm) for s in stats]
 
 
@@ -78,13 +87,22 @@ class ClipByValue(Leaf):
     clip_value: float
 
     scope = "element"
+    name = "clip_by_value"
 
     def __repr__(self) -> str:
         return _call_repr("clip_by_value", clip_value=self.clip_value)
 
-    def apply(self, grads: LayerGrads, layers: Sequence[Layer]) -> LayerGrads:
-        v = self.clip_value
-        return [[g.clamp(-v, v) for g in group] for group in grads]
+    def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
+        if ctx.scale is None:
+            v = self.clip_value
+            return [[g.clamp(-v, v) for g in group] for group in grads]
+        bound = (ctx.scale * self.clip_value).float()  # the gradients in the graph are scaled
+        return [[_clamp(g, bound) for g in group] for group in grads]
+
+
+def _clamp(grad: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    wide = grad.to(norms.accumulation_dtype(grad))
+    return torch.minimum(torch.maximum(wide, -bound), bound).to(grad.dtype)
 
 
 Target = str | float | Callable[[float, Layer], float]
@@ -100,6 +118,7 @@ class Rescale(ScaleLeaf):
     multipliers: tuple[tuple[MultiplierKey, float], ...] = ()
 
     EPS: ClassVar[float] = 1e-7
+    name = "rescale"
 
     @property
     def scope(self) -> str:  # type: ignore[override]
@@ -131,7 +150,7 @@ class Rescale(ScaleLeaf):
         except (TypeError, ValueError) as error:
             raise type(error)(f"target(depth, layer) for layer {layer.name!r}: {error}") from None
 
-    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer]) -> list[Factor]:
+    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         layer_norms = [s.norm(2.0) for s in stats]
         if self.target == "mean":
             mean = sum(layer_norms[1:], layer_norms[0]) / len(layer_norms)

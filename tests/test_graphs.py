@@ -48,20 +48,34 @@ fxgrad_add_5 = aten.add.Tensor(fxgrad_sqrt, 1e-06)
 fxgrad_reciprocal = aten.reciprocal.default(fxgrad_add_5)
 fxgrad_mul_6 = aten.mul.Tensor(fxgrad_reciprocal, 1.0)
 fxgrad_clamp_max = aten.clamp_max.default(fxgrad_mul_6, 1.0)
+fxgrad_mul_7 = aten.mul.Tensor(fxgrad_sqrt, fxgrad_clamp_max)
 # scale gradients
-fxgrad_mul_7 = aten.mul.Tensor(grad['0.weight'], fxgrad_clamp_max)
-fxgrad_mul_8 = aten.mul.Tensor(grad['0.bias'], fxgrad_clamp_max)
-fxgrad_mul_9 = aten.mul.Tensor(grad['1.weight'], fxgrad_clamp_max)
-fxgrad_mul_10 = aten.mul.Tensor(grad['1.bias'], fxgrad_clamp_max)
-fxgrad_mul_11 = aten.mul.Tensor(grad['2.weight'], fxgrad_clamp_max)
-fxgrad_mul_12 = aten.mul.Tensor(grad['2.bias'], fxgrad_clamp_max)
+fxgrad_mul_8 = aten.mul.Tensor(grad['0.weight'], fxgrad_clamp_max)
+fxgrad_mul_9 = aten.mul.Tensor(grad['0.bias'], fxgrad_clamp_max)
+fxgrad_mul_10 = aten.mul.Tensor(grad['1.weight'], fxgrad_clamp_max)
+fxgrad_mul_11 = aten.mul.Tensor(grad['1.bias'], fxgrad_clamp_max)
+fxgrad_mul_12 = aten.mul.Tensor(grad['2.weight'], fxgrad_clamp_max)
+fxgrad_mul_13 = aten.mul.Tensor(grad['2.bias'], fxgrad_clamp_max)
+# statistics
+fxgrad_view = aten.view.default(fxgrad_sqrt, [-1])
+fxgrad_convert_element_type = prims.convert_element_type.default(fxgrad_view, torch.float64)
+fxgrad_view_1 = aten.view.default(fxgrad_mul_7, [-1])
+fxgrad_convert_element_type_1 = prims.convert_element_type.default(fxgrad_view_1, torch.float64)
+fxgrad_view_2 = aten.view.default(fxgrad_clamp_max, [-1])
+fxgrad_convert_element_type_2 = prims.convert_element_type.default(fxgrad_view_2, torch.float64)
+fxgrad_constant_pad_nd = aten.constant_pad_nd.default(fxgrad_convert_element_type, [0, 2], 0.0)
+fxgrad_constant_pad_nd_1 = aten.constant_pad_nd.default(fxgrad_convert_element_type_1, [1, 1], 0.0)
+fxgrad_add_6 = aten.add.Tensor(fxgrad_constant_pad_nd, fxgrad_constant_pad_nd_1)
+fxgrad_constant_pad_nd_2 = aten.constant_pad_nd.default(fxgrad_convert_element_type_2, [2, 0], 0.0)
+fxgrad_add_7 = aten.add.Tensor(fxgrad_add_6, fxgrad_constant_pad_nd_2)
+fxgrad_save_state = fxgrad.save_state.default(<stats>, fxgrad_add_7)
 return {
-    '0.weight': fxgrad_mul_7,
-    '0.bias': fxgrad_mul_8,
-    '1.weight': fxgrad_mul_9,
-    '1.bias': fxgrad_mul_10,
-    '2.weight': fxgrad_mul_11,
-    '2.bias': fxgrad_mul_12,
+    '0.weight': fxgrad_mul_8,
+    '0.bias': fxgrad_mul_9,
+    '1.weight': fxgrad_mul_10,
+    '1.bias': fxgrad_mul_11,
+    '2.weight': fxgrad_mul_12,
+    '2.bias': fxgrad_mul_13,
 }
 """)
 
@@ -231,22 +245,36 @@ fxgrad_add_5 = aten.add.Tensor(fxgrad_maximum_4, 1e-06)
 fxgrad_reciprocal_2 = aten.reciprocal.default(fxgrad_add_5)
 fxgrad_mul_14 = aten.mul.Tensor(fxgrad_reciprocal_2, 1.0)
 fxgrad_clamp_max_2 = aten.clamp_max.default(fxgrad_mul_14, 1.0)
-fxgrad_mul_15 = aten.mul.Tensor(fxgrad_clamp_max, fxgrad_clamp_max_2)
-fxgrad_mul_16 = aten.mul.Tensor(fxgrad_clamp_max_1, fxgrad_clamp_max_2)
+fxgrad_mul_15 = aten.mul.Tensor(fxgrad_maximum_4, fxgrad_clamp_max_2)
+fxgrad_mul_16 = aten.mul.Tensor(fxgrad_clamp_max, fxgrad_clamp_max_2)
+fxgrad_mul_17 = aten.mul.Tensor(fxgrad_clamp_max_1, fxgrad_clamp_max_2)
 # scale gradients
-fxgrad_mul_17 = aten.mul.Tensor(grad['0.weight'], fxgrad_mul_15)
-fxgrad_mul_18 = aten.mul.Tensor(grad['0.bias'], fxgrad_mul_15)
-fxgrad_mul_19 = aten.mul.Tensor(grad['2.weight'], fxgrad_mul_16)
-fxgrad_mul_20 = aten.mul.Tensor(grad['2.bias'], fxgrad_mul_16)
-fxgrad_mul_21 = aten.mul.Tensor(grad['1.weight'], fxgrad_clamp_max_2)
-fxgrad_mul_22 = aten.mul.Tensor(grad['1.bias'], fxgrad_clamp_max_2)
+fxgrad_mul_18 = aten.mul.Tensor(grad['0.weight'], fxgrad_mul_16)
+fxgrad_mul_19 = aten.mul.Tensor(grad['0.bias'], fxgrad_mul_16)
+fxgrad_mul_20 = aten.mul.Tensor(grad['2.weight'], fxgrad_mul_17)
+fxgrad_mul_21 = aten.mul.Tensor(grad['2.bias'], fxgrad_mul_17)
+fxgrad_mul_22 = aten.mul.Tensor(grad['1.weight'], fxgrad_clamp_max_2)
+fxgrad_mul_23 = aten.mul.Tensor(grad['1.bias'], fxgrad_clamp_max_2)
+# statistics
+fxgrad_view = aten.view.default(fxgrad_maximum_4, [-1])
+fxgrad_convert_element_type = prims.convert_element_type.default(fxgrad_view, torch.float64)
+fxgrad_view_1 = aten.view.default(fxgrad_mul_15, [-1])
+fxgrad_convert_element_type_1 = prims.convert_element_type.default(fxgrad_view_1, torch.float64)
+fxgrad_view_2 = aten.view.default(fxgrad_clamp_max_2, [-1])
+fxgrad_convert_element_type_2 = prims.convert_element_type.default(fxgrad_view_2, torch.float64)
+fxgrad_constant_pad_nd = aten.constant_pad_nd.default(fxgrad_convert_element_type, [0, 2], 0.0)
+fxgrad_constant_pad_nd_1 = aten.constant_pad_nd.default(fxgrad_convert_element_type_1, [1, 1], 0.0)
+fxgrad_add_6 = aten.add.Tensor(fxgrad_constant_pad_nd, fxgrad_constant_pad_nd_1)
+fxgrad_constant_pad_nd_2 = aten.constant_pad_nd.default(fxgrad_convert_element_type_2, [2, 0], 0.0)
+fxgrad_add_7 = aten.add.Tensor(fxgrad_add_6, fxgrad_constant_pad_nd_2)
+fxgrad_save_state = fxgrad.save_state.default(<stats>, fxgrad_add_7)
 return {
-    '0.weight': fxgrad_mul_17,
-    '0.bias': fxgrad_mul_18,
-    '1.weight': fxgrad_mul_21,
-    '1.bias': fxgrad_mul_22,
-    '2.weight': fxgrad_mul_19,
-    '2.bias': fxgrad_mul_20,
+    '0.weight': fxgrad_mul_18,
+    '0.bias': fxgrad_mul_19,
+    '1.weight': fxgrad_mul_22,
+    '1.bias': fxgrad_mul_23,
+    '2.weight': fxgrad_mul_20,
+    '2.bias': fxgrad_mul_21,
 }
 """)
 
@@ -271,9 +299,22 @@ def forward(self, primals_3, tangents_1):
     fxgrad_reciprocal = aten.reciprocal.default(fxgrad_add_1)
     fxgrad_mul_2 = aten.mul.Tensor(fxgrad_reciprocal, 1.0)
     fxgrad_clamp_max = aten.clamp_max.default(fxgrad_mul_2, 1.0)
-    fxgrad_mul_3 = aten.mul.Tensor(t_3, fxgrad_clamp_max)
-    fxgrad_mul_4 = aten.mul.Tensor(view, fxgrad_clamp_max)
-    return (fxgrad_mul_3, fxgrad_mul_4, None)
+    fxgrad_mul_3 = aten.mul.Tensor(fxgrad_sqrt, fxgrad_clamp_max)
+    fxgrad_mul_4 = aten.mul.Tensor(t_3, fxgrad_clamp_max)
+    fxgrad_mul_5 = aten.mul.Tensor(view, fxgrad_clamp_max)
+    fxgrad_view = aten.view.default(fxgrad_sqrt, [-1])
+    fxgrad_convert_element_type = prims.convert_element_type.default(fxgrad_view, torch.float64)
+    fxgrad_view_1 = aten.view.default(fxgrad_mul_3, [-1])
+    fxgrad_convert_element_type_1 = prims.convert_element_type.default(fxgrad_view_1, torch.float64)
+    fxgrad_view_2 = aten.view.default(fxgrad_clamp_max, [-1])
+    fxgrad_convert_element_type_2 = prims.convert_element_type.default(fxgrad_view_2, torch.float64)
+    fxgrad_constant_pad_nd = aten.constant_pad_nd.default(fxgrad_convert_element_type, [0, 2], 0.0)
+    fxgrad_constant_pad_nd_1 = aten.constant_pad_nd.default(fxgrad_convert_element_type_1, [1, 1], 0.0)
+    fxgrad_add_2 = aten.add.Tensor(fxgrad_constant_pad_nd, fxgrad_constant_pad_nd_1)
+    fxgrad_constant_pad_nd_2 = aten.constant_pad_nd.default(fxgrad_convert_element_type_2, [2, 0], 0.0)
+    fxgrad_add_3 = aten.add.Tensor(fxgrad_add_2, fxgrad_constant_pad_nd_2)
+    fxgrad_save_state = fxgrad.save_state.default(<stats>, fxgrad_add_3)
+    return (fxgrad_mul_4, fxgrad_mul_5, None)
 """)
 
 

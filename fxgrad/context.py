@@ -1,0 +1,142 @@
+"""What a transform may use while fxgrad records it into a backward graph.
+
+Leaves receive a :class:`RouteContext`. Its state, loss scale and statistics
+are device tensors read and written by custom ops inside the compiled graph,
+so they change every step without a host sync or a recompile::
+
+    def factors(self, stats, layers, ctx):
+        state = ctx.state(shared={"tau": ((), 0.0)}, per_layer={"ema": 0.0})
+        ...
+        ctx.save(state, tau=new_tau, ema=new_ema)       # all entries, same shapes
+        ctx.emit("clip_coef", coef)                      # -> backend.stats()["clip_coef"]
+        ctx.emit_per_layer("grad_norm", norms_vector)    # -> "grad_norm/<layer>"
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fxgrad import _compat
+from fxgrad.layers import Layer
+from fxgrad.state import StateStore, flat
+
+Shape = tuple[int, ...]
+
+
+class GraphContext:
+    """Shared by the routes of one backward graph: store, device, loss scale, stats."""
+
+    def __init__(self, store: StateStore, device: torch.device, scaler: Any = None,
+                 params: Callable[[str], list[torch.Tensor]] | None = None) -> None:
+        self.store, self.device = store, device
+        self.params = params
+        self._stats: dict[str, torch.Tensor] = {}
+        self._stat_order: list[tuple[list[str], torch.Tensor]] = []
+        self.scale: torch.Tensor | None = None
+        if scaler is not None:
+            read = lambda: _read_scale(scaler)  # noqa: E731
+            group = store.external_group("loss scale", read, 1, device)
+            self.scale = torch.ops.fxgrad.load_state(group.name)[0]
+
+    def route(self, index: int, name: str, layers: Sequence[Layer], executor: Any) -> RouteContext:
+        return RouteContext(self, f"{index}.{name}", index, layers, executor)
+
+    def emit(self, keys: list[str], value: torch.Tensor, index: int) -> None:
+        keys = [key if key not in self._stats else f"{key}@{index}" for key in keys]
+        self._stats.update(dict.fromkeys(keys))
+        self._stat_order.append((keys, value))
+
+    def finish(self) -> None:
+        """Record the save of this graph's statistics."""
+        if not self._stat_order:
+            return
+        keys = [key for keys, _ in self._stat_order for key in keys]
+        group = self.store.group("stats", ("stats", tuple(keys)), [(k, (), 0.0) for k in keys], self.device,
+                                 stats=True)
+        torch.ops.fxgrad.save_state(group.name, flat(value for _, value in self._stat_order))
+
+
+def _read_scale(scaler: Any) -> torch.Tensor:
+    scale = _compat.grad_scaler_scale(scaler)
+    if scale is None:
+        raise RuntimeError("GradScaler has no scale yet: call scaler.scale(loss).backward()")
+    return scale
+
+
+class RouteContext:
+    """One route's view of the graph context: its own state namespace and layers."""
+
+    def __init__(self, graph: GraphContext, key: str, index: int, layers: Sequence[Layer], executor: Any) -> None:
+        self.graph, self.key, self.index, self.layers = graph, key, index, list(layers)
+        self._executor = executor
+        self._groups: dict[int, Any] = {}
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        """The loss scale (float64, 0-dim) when the backend has a GradScaler."""
+        return self.graph.scale
+
+    def state(self, shared: dict[str, tuple[Shape, float]] | None = None,
+              per_layer: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+        """Load this route's state: ``shared`` entries with their shapes, and one
+        value per layer for each ``per_layer`` entry (a vector over ``layers``).
+
+        Returned tensors are float64. Initial values apply the first time.
+        """
+        shared, per_layer = shared or {}, per_layer or {}
+        names = [layer.name for layer in self.layers]
+        entries = [(f"{self.key}/{n}", shape, init) for n, (shape, init) in shared.items()]
+        entries += [(f"{self.key}/{n}/{layer}", (), init) for n, init in per_layer.items() for layer in names]
+        group = self.graph.store.group(self.key, (self.key, tuple(names), tuple(shared), tuple(per_layer)),
+                                       entries, self.graph.device)
+        buffer = torch.ops.fxgrad.load_state(group.name)
+        values, offset = {}, 0
+        for n, (shape, _) in shared.items():
+            size = math.prod(shape)
+            values[n] = buffer[offset : offset + size].view(shape)
+            offset += size
+        for n in per_layer:
+            values[n] = buffer[offset : offset + len(names)]
+            offset += len(names)
+        self._groups[id(values)] = (group, list(shared) + list(per_layer))
+        return values
+
+    def save(self, state: dict[str, torch.Tensor], **new: torch.Tensor) -> None:
+        """Write back every entry of ``state`` (new values, same shapes)."""
+        group, order = self._groups[id(state)]
+        missing = set(order) - set(new)
+        if missing:
+            raise ValueError(f"save() of {self.key} needs values for {sorted(missing)}")
+        torch.ops.fxgrad.save_state(group.name, flat(new[n] for n in order))
+
+    def emit(self, name: str, value: torch.Tensor) -> None:
+        """A statistic for ``backend.stats()[name]`` (a 0-dim tensor)."""
+        self.graph.emit([name], value, self.index)
+
+    def emit_per_layer(self, name: str, values: torch.Tensor) -> None:
+        """One statistic per layer, ``backend.stats()[f"{name}/{layer}"]``."""
+        self.graph.emit([f"{name}/{layer.name}" for layer in self.layers], values, self.index)
+
+    def after_policy(self, callback: Callable[[list], None]) -> None:
+        """Call ``callback(stats)`` with the L2 :class:`~fxgrad.norms.NormStats` of this
+        route's layers once the whole policy has run (for "after" telemetry)."""
+        names = [layer.name for layer in self.layers]
+        self._executor.at_end(lambda: callback(self._executor.norms_now(names, (2.0,))))
+
+    def weight_norms(self) -> torch.Tensor:
+        """The L2 norm of each layer's parameters (float64 vector), read on the device."""
+        if self.graph.params is None:
+            raise RuntimeError("parameter values are not available in this graph")
+        params = self.graph.params
+        names = [layer.name for layer in self.layers]
+
+        def read() -> torch.Tensor:
+            norms = [torch.linalg.vector_norm(torch.stack(_compat.foreach_norm(params(n)))) for n in names]
+            return torch.stack(norms)
+
+        group = self.graph.store.external_group(f"weight norms of {self.key}", read, len(names), self.graph.device)
+        return torch.ops.fxgrad.load_state(group.name)
+
