@@ -7,6 +7,7 @@
     print(fxgrad.explain(eager_model, x, backend=fxgrad.backend(policy)))
 """
 
+from fxgrad.adaptive import autoclip, zclip
 from fxgrad.backend import Backend, backend
 from fxgrad.base import Leaf, Route, Transform
 from fxgrad.compose import by_name, by_type, chain
@@ -14,6 +15,8 @@ from fxgrad.config import from_config
 from fxgrad.coverage import CoverageError, CoverageWarning
 from fxgrad.explain import LayerDecision, Report, explain
 from fxgrad.layers import DEFAULT_SKIP, Layer
+from fxgrad.nonfinite import skip_nonfinite, step_if_finite, zero_nonfinite
+from fxgrad.telemetry import monitor
 from fxgrad.transforms import clip_by_global_norm, clip_by_norm, clip_by_value, rescale
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "Report",
     "Route",
     "Transform",
+    "autoclip",
     "backend",
     "by_name",
     "by_type",
@@ -36,5 +40,10 @@ __all__ = [
     "clip_by_value",
     "explain",
     "from_config",
+    "monitor",
     "rescale",
+    "skip_nonfinite",
+    "step_if_finite",
+    "zclip",
+    "zero_nonfinite",
 ]

@@ -41,3 +41,20 @@ def non_negative(name: str, value: Any) -> float:
 def norm_type(value: Any) -> float:
     """A p-norm order: any p > 0, or ``inf``."""
     return positive("norm_type", value)
+
+
+def positive_int(name: str, value: Any) -> int:
+    """An int >= 1 (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value!r}")
+    return int(value)
+
+
+def fraction(name: str, value: Any) -> float:
+    """A number strictly between 0 and 1 (an EMA decay)."""
+    result = real_number(name, value)
+    if not 0 < result < 1:
+        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+    return result

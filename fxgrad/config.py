@@ -30,7 +30,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from fxgrad import compose, transforms
+from fxgrad import adaptive, compose, nonfinite, telemetry, transforms
 from fxgrad.backend import Backend
 from fxgrad.base import Transform
 from fxgrad.layers import DEFAULT_SKIP
@@ -40,6 +40,11 @@ FACTORIES = {
     "clip_by_norm": transforms.clip_by_norm,
     "clip_by_value": transforms.clip_by_value,
     "rescale": transforms.rescale,
+    "monitor": telemetry.monitor,
+    "autoclip": adaptive.autoclip,
+    "zclip": adaptive.zclip,
+    "zero_nonfinite": nonfinite.zero_nonfinite,
+    "skip_nonfinite": nonfinite.skip_nonfinite,
 }
 ROUTERS = {"by_type": compose.by_type, "by_name": compose.by_name}
 BACKEND_KEYS = {"transform", "skip", "compiler", "strict"}

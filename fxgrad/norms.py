@@ -90,6 +90,11 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp_max(max_norm / (norm + 1e-6), 1.0)
 
 
+def clip_coefficient_tensor(norm: torch.Tensor, max_norm: torch.Tensor) -> torch.Tensor:
+    """:func:`clip_coefficient` with a threshold computed on the device."""
+    return torch.clamp_max(max_norm / (norm + 1e-6), 1.0)
+
+
 def scaled(tensors: Sequence[torch.Tensor], factor: Factor) -> list[torch.Tensor]:
     """``t * factor`` for each tensor, computed in float32 and cast back."""
     return [(t.to(accumulation_dtype(t)) * factor).to(t.dtype) for t in tensors]

@@ -25,6 +25,7 @@ from fxgrad.base import LayerGrads, Leaf, ScaleLeaf
 from fxgrad.context import RouteContext
 from fxgrad.layers import Layer
 from fxgrad.norms import Factor, NormStats
+from fxgrad.state import flat
 
 
 def _call_repr(name: str, **kwargs) -> str:
@@ -116,6 +117,8 @@ class Rescale(ScaleLeaf):
     alpha: float = 0.5
     target: Target = "mean"
     multipliers: tuple[tuple[MultiplierKey, float], ...] = ()
+    every: int | None = None
+    decay: float = 0.9
 
     EPS: ClassVar[float] = 1e-7
     name = "rescale"
@@ -131,6 +134,10 @@ class Rescale(ScaleLeaf):
             kwargs["target"] = _Verbatim(getattr(self.target, "__name__", repr(self.target)))
         if self.multipliers:
             kwargs["multipliers"] = _Verbatim(_mapping_repr(self.multipliers))
+        if self.every is not None:
+            kwargs["every"] = self.every
+        if self.target == "ema":
+            kwargs["decay"] = self.decay
         return _call_repr("rescale", **kwargs)
 
     def multiplier(self, layer: Layer) -> float:
@@ -152,17 +159,38 @@ class Rescale(ScaleLeaf):
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         layer_norms = [s.norm(2.0) for s in stats]
-        if self.target == "mean":
-            mean = sum(layer_norms[1:], layer_norms[0]) / len(layer_norms)
-            targets: list = [mean] * len(layers)
-        else:
-            targets = [self.layer_target(layer) for layer in layers]
+        targets = self._targets(layer_norms, layers, ctx)
         out: list[Factor] = []
         for layer, norm, target in zip(layers, layer_norms, targets):
             factor = (target / (norm + self.EPS)) ** self.alpha
             multiplier = self.multiplier(layer)
             out.append(factor * multiplier if multiplier != 1.0 else factor)
         return out
+
+    def _targets(self, layer_norms: list[torch.Tensor], layers: Sequence[Layer], ctx: RouteContext) -> list:
+        """``T_l`` per layer; state-backed for ``"mean"`` with ``every`` and for ``"ema"``."""
+        if self.target == "mean":
+            mean = sum(layer_norms[1:], layer_norms[0]) / len(layer_norms)
+            if self.every is None:
+                return [mean] * len(layers)
+            state = ctx.state(shared={"target": ((), 0.0), "steps": ((), 0.0)})
+            held = self._hold(mean.to(torch.float64), state["target"], state["steps"])
+            ctx.save(state, target=held, steps=state["steps"] + 1)
+            return [held] * len(layers)
+        if self.target == "ema":
+            current = flat(layer_norms)
+            state = ctx.state(per_layer={"ema": 0.0, "target": 0.0, "steps": 0.0})
+            first = state["steps"] == 0
+            fresh = torch.where(first, current, state["ema"])
+            ema = torch.where(first, current, self.decay * state["ema"] + (1 - self.decay) * current)
+            held = fresh if self.every is None else self._hold(fresh, state["target"], state["steps"])
+            ctx.save(state, ema=ema, target=held, steps=state["steps"] + 1)
+            return list(held.unbind())
+        return [self.layer_target(layer) for layer in layers]
+
+    def _hold(self, fresh: torch.Tensor, held: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """``fresh`` on steps 0, every, 2*every, ...; ``held`` in between."""
+        return torch.where(torch.remainder(steps, self.every) == 0, fresh, held)
 
 
 class _Verbatim(str):
@@ -245,6 +273,9 @@ def rescale(
     alpha: float = 0.5,
     target: Target = "mean",
     multipliers: Mapping[MultiplierKey, float] | None = None,
+    *,
+    every: int | None = None,
+    decay: float = 0.9,
 ) -> Rescale:
     """Per-layer gradient rescaling: ``g <- m_l * (T_l / (n_l + 1e-7)) ** alpha * g``.
 
@@ -268,10 +299,15 @@ def rescale(
     """
     alpha = _validate.non_negative("alpha", alpha)
     if isinstance(target, str):
-        if target != "mean":
-            raise ValueError(f"target must be 'mean', a positive number or a callable, got {target!r}")
+        if target not in ("mean", "ema"):
+            raise ValueError(f"target must be 'mean', 'ema', a positive number or a callable, got {target!r}")
     elif not callable(target):
         target = _validate.positive("target", target, allow_inf=False)
+    if every is not None:
+        every = _validate.positive_int("every", every)
+        if target not in ("mean", "ema"):
+            raise ValueError("every re-estimates a 'mean' or 'ema' target; a fixed target has nothing to refresh")
+    decay = _validate.fraction("decay", decay)
     if multipliers is None:
         multipliers = {}
     if not isinstance(multipliers, Mapping):
@@ -280,7 +316,7 @@ def rescale(
         (_check_layer_key("multipliers", key), _validate.positive(f"multipliers[{key!r}]", value, allow_inf=False))
         for key, value in multipliers.items()
     )
-    return Rescale(alpha=alpha, target=target, multipliers=pairs)
+    return Rescale(alpha=alpha, target=target, multipliers=pairs, every=every, decay=decay)
 
 
 __all__ = [

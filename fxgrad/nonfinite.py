@@ -1,0 +1,113 @@
+"""Non-finite gradients: replace them, or skip the whole step.
+
+By default fxgrad never hides a NaN or an Inf: it propagates, as in eager
+PyTorch. These transforms handle them explicitly, inside the backward::
+
+    policy = fxgrad.chain(fxgrad.skip_nonfinite(), fxgrad.clip_by_global_norm(1.0))
+    ...
+    loss.backward()
+    fxgrad.step_if_finite(optimizer, backend)    # one host sync, see below
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import torch
+
+from fxgrad.base import LayerGrads, Leaf
+from fxgrad.context import RouteContext
+from fxgrad.layers import Layer
+from fxgrad.state import flat
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroNonfinite(Leaf):
+    """See :func:`zero_nonfinite`."""
+
+    scope = "element"
+    per_layer = False
+    name = "zero_nonfinite"
+
+    def __repr__(self) -> str:
+        return "zero_nonfinite()"
+
+    def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
+        counts, out = [], []
+        for group in grads:
+            bad = [~torch.isfinite(g) for g in group]
+            counts.append(sum(b.sum() for b in bad))
+            out.append([g.masked_fill(b, 0) for g, b in zip(group, bad)])
+        per_layer = flat(counts)
+        ctx.emit_per_layer("nonfinite", per_layer)
+        ctx.emit("nonfinite_elements", per_layer.sum())
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipNonfinite(Leaf):
+    """See :func:`skip_nonfinite`."""
+
+    scope = "group"
+    per_layer = False
+    name = "skip_nonfinite"
+
+    def __repr__(self) -> str:
+        return "skip_nonfinite()"
+
+    def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
+        finite = [torch.isfinite(g.abs().amax()) for group in grads for g in group]
+        bad = ~functools.reduce(torch.logical_and, finite)
+        state = ctx.state(shared={"steps": ((), 0.0)})
+        steps = state["steps"] + bad.to(torch.float64)
+        ctx.save(state, steps=steps)
+        ctx.emit("nonfinite_step", bad.to(torch.float64))
+        ctx.emit("nonfinite_steps", steps)
+        return [[g.masked_fill(bad, 0) for g in group] for group in grads]
+
+
+def zero_nonfinite() -> ZeroNonfinite:
+    """Replace NaN and Inf gradient elements with 0, in every layer.
+
+    Statistics: ``nonfinite_elements`` (this step) and ``nonfinite/<layer>``.
+    Place it first in a chain so later transforms see finite values.
+
+        >>> zero_nonfinite()
+        zero_nonfinite()
+    """
+    return ZeroNonfinite()
+
+
+def skip_nonfinite() -> SkipNonfinite:
+    """If any gradient of the step has a NaN or Inf, make every gradient zero.
+
+    Statistics: ``nonfinite_step`` (1.0 when this step was zeroed) and
+    ``nonfinite_steps`` (how many so far).
+
+    Zero gradients are not a skipped step for every optimizer: plain SGD does
+    nothing, but Adam-type optimizers still decay their moments and move the
+    weights by ``lr * m / (sqrt(v) + eps)``, and weight decay still applies.
+    To really skip, use :func:`step_if_finite`.
+
+        >>> skip_nonfinite()
+        skip_nonfinite()
+    """
+    return SkipNonfinite()
+
+
+def step_if_finite(optimizer: Any, backend: Any) -> bool:
+    """``optimizer.step()`` unless the last backward hit a non-finite gradient.
+
+    Needs ``skip_nonfinite()`` in the backend's policy. It reads one flag from
+    the device, which **costs one host sync** per call: the price of deciding
+    on the host whether to step. Returns whether it stepped.
+    """
+    flag = backend.stats().get("nonfinite_step")
+    if flag is None:
+        raise ValueError("step_if_finite needs fxgrad.skip_nonfinite() in the backend's policy")
+    if flag.item() != 0:
+        return False
+    optimizer.step()
+    return True

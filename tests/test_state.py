@@ -1,0 +1,276 @@
+"""Device-side state: adaptive clipping, telemetry, non-finite handling, AMP, checkpoints.
+
+Every stateful transform is compared step by step with an eager
+reimplementation that keeps its state in Python (tests/reference.py).
+"""
+
+import contextlib
+import copy
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxgrad
+import models
+import reference as ref
+from parity import assert_grads_close
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Fail on the calls that copy a device value to the host."""
+
+    def sync(*args, **kwargs):
+        raise AssertionError("host sync in the training step")
+
+    with mock.patch.object(torch.Tensor, "item", sync), mock.patch.object(torch.Tensor, "tolist", sync), \
+            mock.patch.object(torch.Tensor, "__bool__", sync):
+        yield
+
+
+def batches(steps, spikes=()):
+    """Deterministic inputs, and a loss weight: 30 on ``spikes`` steps (gradient spikes)."""
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        yield step, torch.randn(8, 16, generator=gen), 30.0 if step in spikes else 1.0
+
+
+def run_both(policy, reference_step, steps, spikes=(), compiler="aot_eager"):
+    """Same model, same inputs; compiled with ``policy`` vs eager + ``reference_step``.
+
+    No optimizer step, so the two runs differ only through the policies' state.
+    Returns the backend and the reference's per-step results.
+    """
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(policy, compiler=compiler)
+    compiled = backend.compile(model)
+    results = []
+    for step, x, weight in batches(steps, spikes):
+        model.zero_grad()
+        eager.zero_grad()
+        with no_host_sync() if step > 0 else contextlib.nullcontext():
+            (models.loss_of(compiled(x)) * weight).backward()
+        (models.loss_of(eager(x)) * weight).backward()
+        results.append(reference_step(eager))
+        assert_grads_close(model, eager, rtol=1e-5)
+    assert len(backend.graphs) == 1  # thresholds changed every step, the graph did not
+    return backend, results
+
+
+def test_autoclip_matches_numpy_percentile_reference():
+    reference = ref.AutoClip(percentile=90, history=10, blend=0.1)
+    backend, taus = run_both(fxgrad.autoclip(percentile=90, history=10, blend=0.1), reference.step, 32,
+                             spikes=(12, 20, 21))
+    assert backend.stats()["autoclip/threshold"].item() == pytest.approx(taus[-1], rel=1e-6)
+
+
+def test_zclip_matches_reference_with_spikes():
+    reference = ref.ZClip(alpha=0.97, z_thresh=2.5, max_norm=1.0, warmup=5)
+    backend, zs = run_both(fxgrad.zclip(warmup=5), reference.step, 55, spikes=(20, 30, 31, 45))
+    spikes = [z for z in zs if z is not None and z > 2.5]
+    assert len(spikes) >= 3  # the injected spikes were detected and clipped
+    assert backend.stats()["zclip/z"].item() == pytest.approx(zs[-1], rel=1e-5)
+
+
+@pytest.mark.inductor
+def test_adaptive_clipping_under_inductor():
+    reference = ref.ZClip(alpha=0.9, z_thresh=2.0, max_norm=5.0, warmup=3)
+    run_both(fxgrad.zclip(alpha=0.9, z_thresh=2.0, max_norm=5.0, warmup=3), reference.step, 20,
+             spikes=(10,), compiler="inductor")
+
+
+def test_monitor_records_norms_emas_and_spikes():
+    reference = ref.Monitor(ema=0.8, spike_z=3.0, warmup=5)
+    policy = fxgrad.chain(fxgrad.monitor(ema=0.8, warmup=5, weights=True), fxgrad.clip_by_norm(0.01))
+
+    def step(model):
+        seen = reference.step(model)
+        ref.clip_per_layer(model, 0.01)
+        return seen
+
+    backend, seen = run_both(policy, step, 25, spikes=(15,))
+    stats = backend.stats()
+    for layer, values in seen[-1].items():
+        for stat, value in values.items():
+            assert stats[f"{stat}/{layer}"].item() == pytest.approx(value, rel=1e-5, abs=1e-9), (stat, layer)
+    assert all(stats[f"grad_norm_clipped/{layer}"].item() <= 0.01 + 1e-6 for layer in ("net.0", "net.3"))
+    assert stats["grad_norm_clipped/net.1"].item() == pytest.approx(seen[-1]["net.1"]["grad_norm"], rel=1e-5)
+    spike_history = [v["spike"] for s in seen for k, v in s.items() if k == "net.0"]
+    assert spike_history[15] == 1.0
+    model_weight = torch.linalg.vector_norm(torch.cat([p.reshape(-1) for p in models.MLP().net[0].parameters()]))
+    assert stats["weight_norm/net.0"].item() > 0 and model_weight > 0
+
+
+def test_stats_are_device_tensors_and_a_snapshot():
+    backend, _ = run_both(fxgrad.clip_by_global_norm(1e-3), lambda m: ref.clip_global(m, 1e-3), 2)
+    stats = backend.stats()
+    assert set(stats) == {"clip_coef", "grad_norm/total", "grad_norm/total_clipped"}
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in stats.values())
+    assert stats["grad_norm/total_clipped"].item() == pytest.approx(1e-3, rel=1e-4)
+    before = stats["clip_coef"].clone()
+    backend.store.stats[next(iter(backend.store.stats))].buffer.zero_()
+    assert torch.equal(stats["clip_coef"], before)  # later steps don't change a snapshot
+
+
+def test_rescale_every_holds_the_target():
+    torch.manual_seed(0)
+    norms = []
+
+    def step(model):
+        chosen = ref.trainable_layers(model)
+        current = [torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ps)).item() for _, _, ps in chosen]
+        if len(norms) % 3 == 0:
+            step.target = sum(current) / len(current)
+        norms.append(current)
+        ref.rescale(model, 0.5, target=step.target)
+
+    run_both(fxgrad.rescale(alpha=0.5, every=3), step, 8)
+
+
+def test_rescale_ema_target_damps_spikes():
+    decay, ema = 0.8, {}
+
+    def step(model):
+        for name, _, params in ref.trainable_layers(model):
+            norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)).item()
+            target = ema.get(name, norm)
+            ema[name] = norm if name not in ema else decay * ema[name] + (1 - decay) * norm
+            for p in params:
+                p.grad.mul_((target / (norm + 1e-7)) ** 0.5)
+
+    run_both(fxgrad.rescale(alpha=0.5, target="ema", decay=0.8), step, 10, spikes=(6,))
+
+
+def nan_at(step_with_nan):
+    def inject(model, step):
+        if step == step_with_nan:
+            model.net[0].weight.grad[0, 0] = float("nan")
+    return inject
+
+
+def test_nan_propagates_by_default():
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
+    x = torch.randn(4, 16)
+    x[0, 0] = float("nan")
+    models.loss_of(backend.compile(model)(x)).backward()
+    assert all(torch.isnan(p.grad).any() for p in model.parameters())
+    assert torch.isnan(backend.stats()["grad_norm/total"])
+
+
+def test_zero_nonfinite_replaces_and_counts():
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.chain(fxgrad.zero_nonfinite(), fxgrad.clip_by_global_norm(1.0)),
+                             compiler="aot_eager")
+    x = torch.randn(4, 16)
+    x[0, 3] = float("inf")
+    models.loss_of(backend.compile(model)(x)).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    stats = backend.stats()
+    assert stats["nonfinite_elements"].item() > 0
+    assert stats["nonfinite/net.0"].item() > 0
+
+
+def test_skip_nonfinite_zeroes_the_step_and_step_if_finite_skips_it():
+    torch.manual_seed(0)
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.chain(fxgrad.skip_nonfinite(), fxgrad.clip_by_global_norm(1.0)),
+                             compiler="aot_eager")
+    compiled = backend.compile(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(4, 16)
+        if step == 2:
+            x[1, 1] = float("nan")
+        models.loss_of(compiled(x)).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        stepped = fxgrad.step_if_finite(optimizer, backend)
+        assert stepped == (step != 2)
+        if step == 2:
+            assert all((p.grad == 0).all() for p in model.parameters())
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        optimizer.zero_grad()
+    assert backend.stats()["nonfinite_steps"].item() == 1
+
+
+def test_step_if_finite_needs_skip_nonfinite():
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1.0))
+    with pytest.raises(ValueError, match="skip_nonfinite"):
+        fxgrad.step_if_finite(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1), backend)
+
+
+def test_grad_scaler_parity_and_scale_changes_without_recompiling():
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (model, eager)]
+    backend = fxgrad.backend(fxgrad.chain(fxgrad.monitor(), fxgrad.clip_by_global_norm(0.05)),
+                             compiler="aot_eager", scaler=scalers[0])
+    compiled = backend.compile(model)
+    seen_scales = set()
+    for step in range(8):
+        x = torch.randn(8, 16)
+        if step == 5:
+            x[0, 0] = float("inf")
+        for net, scaler, optimizer in zip((compiled, eager), scalers, optimizers):
+            scaler.scale(models.loss_of(net(x))).backward()
+            scaler.unscale_(optimizer)
+        total = torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.05)
+        if step != 5:
+            assert_grads_close(model, eager)
+            assert backend.stats()["grad_norm/total"].item() == pytest.approx(total.item(), rel=1e-5)
+        for scaler, optimizer in zip(scalers, optimizers):
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        assert scalers[0].get_scale() == scalers[1].get_scale()  # the inf step was seen and skipped
+        seen_scales.add(scalers[0].get_scale())
+    assert len(seen_scales) >= 3 and len(backend.graphs) == 1
+
+
+def test_scaler_refuses_policies_that_hide_nonfinite():
+    with pytest.raises(ValueError, match="scaler"):
+        fxgrad.backend(fxgrad.zero_nonfinite(), scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(TypeError, match="scaler"):
+        fxgrad.backend(fxgrad.clip_by_norm(1.0), scaler=object())
+
+
+def test_checkpoint_resume_matches_an_uninterrupted_run():
+    policy = fxgrad.chain(fxgrad.monitor(), fxgrad.autoclip(history=6))
+
+    def train(backend, model, steps):
+        compiled = backend.compile(model)
+        grads = []
+        for _, x, weight in steps:
+            model.zero_grad()
+            (models.loss_of(compiled(x)) * weight).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        return grads
+
+    torch.manual_seed(0)
+    model = models.MLP()
+    all_steps = list(batches(16, spikes=(4,)))
+    straight = train(fxgrad.backend(policy, compiler="aot_eager"), copy.deepcopy(model), all_steps)
+
+    first = fxgrad.backend(policy, compiler="aot_eager")
+    train(first, copy.deepcopy(model), all_steps[:8])
+    saved = first.state_dict()
+    resumed = fxgrad.backend(policy, compiler="aot_eager")
+    resumed.load_state_dict(saved)  # before its first compile
+    after = train(resumed, copy.deepcopy(model), all_steps[8:])
+    for a, b in zip(after, straight[8:]):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y)
+
+
+def test_two_backends_never_share_state():
+    a = fxgrad.backend(fxgrad.autoclip(), compiler="aot_eager")
+    b = fxgrad.backend(fxgrad.autoclip(), compiler="aot_eager")
+    model = models.MLP()
+    models.loss_of(a.compile(model)(torch.randn(4, 16))).backward()
+    assert a.state_dict() and not b.state_dict()
