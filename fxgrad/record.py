@@ -85,7 +85,9 @@ class GraphRecorder(TorchDispatchMode):
         elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
             node = self._record(func, args, kwargs, tuple(result))
             for i, item in enumerate(result):
-                self._tag(self.graph.call_function(operator.getitem, (node, i)), item)
+                getitem = self.graph.create_node("call_function", operator.getitem, (node, i), {},
+                                                 name=PREFIX + "getitem")
+                self._tag(getitem, item)
         return result
 
     def _record(self, func, args, kwargs, result) -> torch.fx.Node:
