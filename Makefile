@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fxgrad-installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo examples test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(PY) examples/quickstart.py
+
+examples: setup
+	$(PY) -m pip install --quiet -e ".[examples]"
+	$(PY) examples/telemetry.py
 
 test: setup
 	$(PY) -m pytest -q

@@ -43,14 +43,39 @@ def eager_rescale(model: nn.Module, layers, alpha: float = 0.5) -> None:
         torch._foreach_mul_([p.grad for p in params], factor)
 
 
-def eager_full(model: nn.Module, layers) -> None:
-    eager_rescale(model, layers)
-    eager_per_layer_clip(model, layers)
+class EagerMonitor:
+    """Per-layer norms, EMA mean/variance and spike flags, on the device (no .item())."""
+
+    def __init__(self, ema: float = 0.9, spike_z: float = 3.0) -> None:
+        self.ema, self.spike_z, self.mean, self.var = ema, spike_z, None, None
+
+    def __call__(self, model: nn.Module, layers) -> None:
+        norms = torch.stack([torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+                             for params in layers])
+        if self.mean is None:
+            self.mean, self.var = norms, torch.zeros_like(norms)
+        self.spikes = (norms - self.mean) / (self.var.sqrt() + 1e-12) > self.spike_z
+        diff = norms - self.mean
+        self.mean = self.mean + (1 - self.ema) * diff
+        self.var = self.ema * (self.var + (1 - self.ema) * diff * diff)
+
+
+def eager_full(monitor: EagerMonitor):
+    def full(model: nn.Module, layers) -> None:
+        monitor(model, layers)
+        eager_rescale(model, layers)
+        eager_per_layer_clip(model, layers)
+    return full
 
 
 POLICIES = {
-    "global_clip": (fxgrad.clip_by_global_norm(1.0), eager_global_clip),
-    "per_layer_clip": (fxgrad.clip_by_norm(1.0), eager_per_layer_clip),
-    "rescale": (fxgrad.rescale(alpha=0.5), eager_rescale),
-    "full": (fxgrad.chain(fxgrad.rescale(alpha=0.5), fxgrad.clip_by_norm(1.0)), eager_full),
+    "global_clip": (fxgrad.clip_by_global_norm(1.0), lambda: eager_global_clip),
+    "per_layer_clip": (fxgrad.clip_by_norm(1.0), lambda: eager_per_layer_clip),
+    "rescale": (fxgrad.rescale(alpha=0.5), lambda: eager_rescale),
+    "monitor": (fxgrad.monitor(), EagerMonitor),
+    "full": (
+        fxgrad.chain(fxgrad.monitor(), fxgrad.rescale(alpha=0.5), fxgrad.clip_by_norm(1.0)),
+        lambda: eager_full(EagerMonitor()),
+    ),
 }
+"""name -> (fxgrad transform, factory of its eager equivalent ``f(model, layers)``)."""

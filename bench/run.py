@@ -9,10 +9,11 @@ compilation excluded:
 * ``eager``:    ``torch.compile(model)`` plus the policy in eager PyTorch after
   ``backward()`` (``clip_grad_norm_(foreach=True)``, per-layer loops).
 
-It also reports compile time (first step minus a warm step) and the kernel
-launches fxgrad adds to the compiled backward, then writes a Markdown table.
+It also reports cold compile time (the first step in a fresh process with
+empty caches) and the kernel launches fxgrad adds to the compiled backward,
+then writes a Markdown table.
 
-    python bench/run.py                       # everything, ~15 minutes on 2 CPU cores
+    python bench/run.py                       # everything, ~25 minutes on 2 CPU cores
     python bench/run.py --quick --compiler aot_eager --out -   # smoke test
 """
 
@@ -28,10 +29,7 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")  # compile times must be cold
-os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -84,14 +82,10 @@ def build_variants(model_name, policies, scale, compiler):
         return torch.compile(m) if compiler == "inductor" else torch.compile(m, backend="aot_eager")
 
     copy_of = lambda: copy.deepcopy(model)  # noqa: E731
-    # The first compile of a model pays one-time costs (imports, Dynamo's analysis
-    # of the model's code); a discarded warm-up variant absorbs them.
-    # It compiles through fxgrad with no policy, so Dynamo traces again for "compiled".
-    warm_up = fxgrad.backend(None, compiler=compiler)
-    variants = [Variant("warm-up", (m := copy_of()), warm_up.compile(m), no_policy, inputs)]
-    variants.append(Variant("compiled", (m := copy_of()), compiled(m), no_policy, inputs))
+    variants = [Variant("compiled", (m := copy_of()), compiled(m), no_policy, inputs)]
     for policy in policies:
-        transform, eager = POLICIES[policy]
+        transform, make_eager = POLICIES[policy]
+        eager = make_eager()
         m = copy_of()
         backend = fxgrad.backend(transform, compiler=compiler)
         variants.append(Variant(f"fxgrad {policy}", m, backend.compile(m), no_policy, inputs))
@@ -102,7 +96,6 @@ def build_variants(model_name, policies, scale, compiler):
 
 def measure(variants, repeats, steps):
     first = {v.name: v.first_step() for v in variants}
-    variants = [v for v in variants if v.name != "warm-up"]
     for v in variants:
         v.step()  # one warm step each
     for r in range(repeats):
@@ -115,30 +108,60 @@ def measure(variants, repeats, steps):
     return first
 
 
-def report_rows(model_name, policies, variants, first):
-    median = {v.name: statistics.median(v.times) for v in variants if v.times}
-    base = median["compiled"]
-    compile_time = {name: first[name][0] - median[name] for name in median}
+def paired_ratio(a: Variant, b: Variant) -> float:
+    """Median over repeats of a's time / b's time in the same repeat (robust to drift)."""
+    return statistics.median(x / y for x, y in zip(a.times, b.times))
+
+
+def report_rows(model_name, policies, variants, first, compile_seconds):
+    by_name = {v.name: v for v in variants}
+    base = by_name["compiled"]
     rows = []
     for policy in policies:
-        fx, eager = f"fxgrad {policy}", f"eager {policy}"
+        fx, eager = by_name[f"fxgrad {policy}"], by_name[f"eager {policy}"]
+        cold = compile_seconds.get(policy)
         rows.append((
             model_name, policy,
-            f"{median[fx] / base:.3f}", f"{median[eager] / base:.3f}", f"{median[fx] / median[eager]:.3f}",
-            f"{first[fx][1] - first['compiled'][1]:+d}",
-            f"{compile_time[fx] / compile_time['compiled']:.2f}",
+            f"{paired_ratio(fx, base):.3f}", f"{paired_ratio(eager, base):.3f}", f"{paired_ratio(fx, eager):.3f}",
+            f"{first[fx.name][1] - first['compiled'][1]:+d}",
+            "-" if cold is None else f"{cold / compile_seconds[None]:.2f}",
         ))
-    return rows, base, compile_time["compiled"]
+    return rows, statistics.median(base.times)
 
 
 HEADER = ("model", "policy", "fxgrad / compiled", "eager / compiled", "fxgrad / eager",
-          "extra kernels", "compile fxgrad / compiled")
+          "extra kernels", "cold compile fxgrad / compiled")
 
 
 def markdown(rows) -> str:
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def first_step_seconds(model_name: str, policy: str | None, scale: float, compiler: str) -> float:
+    """Compile and run one step in a fresh process with empty Inductor caches."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        command = [sys.executable, __file__, "--first-step", model_name, policy or "none",
+                   "--compiler", compiler, "--scale", str(scale)]
+        out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def run_first_step(model_name: str, policy: str, scale: float, compiler: str) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs = MODELS[model_name](scale)
+    start = time.perf_counter()
+    if policy == "none":
+        compiled = torch.compile(model) if compiler == "inductor" else torch.compile(model, backend="aot_eager")
+    else:
+        compiled = fxgrad.backend(POLICIES[policy][0], compiler=compiler).compile(model)
+    loss_of(compiled(*args, **kwargs)).backward()
+    print(time.perf_counter() - start)
 
 
 def pass_scaling(sizes) -> list[str]:
@@ -171,8 +194,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small models, 2 repeats of 2 steps")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu.md"),
                         help="Markdown file to write, or - for stdout only")
+    parser.add_argument("--compile-policies", default="global_clip,full",
+                        help="policies whose cold compile time is measured (fresh process each)")
+    parser.add_argument("--first-step", nargs=2, metavar=("MODEL", "POLICY"), help=argparse.SUPPRESS)
+    parser.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()
-    scale = 0.25 if options.quick else 1.0
+    scale = options.scale or (0.25 if options.quick else 1.0)
+    if options.first_step:
+        run_first_step(*options.first_step, scale, options.compiler)
+        return
     repeats, steps = (2, 2) if options.quick else (options.repeats, options.steps)
     torch._dynamo.config.cache_size_limit = 64
     policies = options.policies.split(",")
@@ -180,11 +210,14 @@ def main() -> None:
     rows, notes = [], []
     for model_name in options.models.split(","):
         _compat.reset_dynamo()
+        cold = {p: first_step_seconds(model_name, p, scale, options.compiler)
+                for p in [None] + [p for p in options.compile_policies.split(",") if p in policies]}
         variants = build_variants(model_name, policies, scale, options.compiler)
         first = measure(variants, repeats, steps)
-        model_rows, base, compile_s = report_rows(model_name, policies, variants, first)
+        model_rows, base = report_rows(model_name, policies, variants, first, cold)
         rows += model_rows
-        notes.append(f"- {model_name}: compiled step {base * 1e3:.1f} ms, compile {compile_s:.1f} s")
+        notes.append(f"- {model_name}: compiled step {base * 1e3:.1f} ms; cold first step (compile + run) "
+                     f"{cold[None]:.1f} s without a policy")
         print(markdown(model_rows), flush=True)
 
     command = "python bench/run.py " + " ".join(sys.argv[1:])
@@ -195,10 +228,13 @@ def main() -> None:
         f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads",
         f"- command: `{command.strip()}`",
-        f"- method: variants interleaved in one process, {repeats} repeats x {steps} steps, "
-        "medians; warm-up and compilation excluded; Inductor caches off for compile times",
+        f"- method: variants interleaved in one process (order rotated each repeat), {repeats} repeats "
+        f"x {steps} steps; each ratio is the median over repeats of the two variants' times in the "
+        "same repeat; warm-up and compilation excluded",
+        "- compile: the first step (compile + run) in a fresh process with empty Inductor caches, "
+        "fxgrad / plain `torch.compile`",
         "- ratios < 1 mean faster; `extra kernels` counts kernel launches fxgrad adds "
-        "to the compiled backward",
+        "to the compiled backward (negative: Inductor fused more)",
         "",
         markdown(rows),
         "",

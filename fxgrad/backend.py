@@ -153,9 +153,11 @@ class Backend:
             if step % 100 == 0:
                 wandb.log({k: v.item() for k, v in backend.stats().items()})
 
-        Per-layer entries are ``<stat>/<layer>``; ``grad_norm/total`` and
-        ``grad_norm/total_clipped`` are derived from the per-layer norms when no
-        global clip reported them.
+        Per-layer entries are ``<stat>/<layer>``. ``grad_norm/total`` and
+        ``grad_norm/total_clipped`` are the global norm before and after the
+        policy when :func:`fxgrad.monitor` is in it (derived from its per-layer
+        norms, so they span graph breaks); otherwise the norm a global clipping
+        transform saw, and after it.
         """
         snapshot = {}
         for group in self.store.stats.values():
@@ -163,9 +165,8 @@ class Backend:
             for key, (offset, _) in group.layout.items():
                 snapshot[key] = copy[offset]
         for prefix, total in (("grad_norm/", "grad_norm/total"), ("grad_norm_clipped/", "grad_norm/total_clipped")):
-            layers = [v for k, v in snapshot.items() if k.startswith(prefix) and k != total
-                      and not k.startswith("grad_norm/total")]
-            if layers and total not in snapshot:
+            layers = [v for k, v in snapshot.items() if k.startswith(prefix) and not k.startswith("grad_norm/total")]
+            if layers:  # monitor's view (before / after the whole policy) wins
                 snapshot[total] = torch.stack(layers).square().sum().sqrt()
         return dict(sorted(snapshot.items()))
 
