@@ -11,15 +11,14 @@
 For every graph Dynamo hands it, the backend records which inputs are which
 parameters, then compiles with Inductor (or AOTAutograd's eager runner). When
 AOTAutograd builds the backward graph, fxgrad plans the policy over that
-graph's layers, checks coverage, and splices the traced rules in before
-Inductor lowers and fuses the graph.
+graph's layers, checks coverage, and records the rules into the graph before
+Inductor lowers and fuses it.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 import torch.fx
@@ -28,11 +27,12 @@ import torch.nn as nn
 import passes
 from fxgrad import _compat
 from fxgrad.base import Transform
-from fxgrad.capture import CapturedGraph, Root, capture
+from fxgrad.capture import CapturedGraph, capture
+from fxgrad.coverage import CoverageCheck
 from fxgrad.graphtext import normalize_code, render_inserted
-from fxgrad.coverage import FATAL_ADVICE, CoverageError, CoverageWarning, Gap, find_gaps, rnn_hint
-from fxgrad.layers import DEFAULT_SKIP, Layer, ParamRow, SkipEntry, build_layers, validate_skip
-from fxgrad.plan import GraphPlan, model_rows, plan_graph
+from fxgrad.layers import DEFAULT_SKIP, SkipEntry, validate_skip
+from fxgrad.plan import plan_graph
+from fxgrad.registry import GraphRegistry
 from fxgrad.rewrite import rewrite_backward
 from fxgrad.state import StateStore
 
@@ -43,7 +43,7 @@ class Backend:
     """A ``torch.compile`` backend applying a gradient policy inside the backward graph.
 
     Build it with :func:`fxgrad.backend`. ``graphs`` lists every graph compiled
-    so far, with the backward code before and after the rewrite.
+    so far; ``stats()`` and ``state_dict()`` expose its device-side state.
     """
 
     def __init__(
@@ -73,10 +73,13 @@ class Backend:
         self.keep_code = keep_code
         self.scaler = _check_scaler(scaler, transform)
         self.store = StateStore()
-        self.graphs: list[CapturedGraph] = []
-        self._roots: dict[int, Root] = {}
-        self._forward_order: dict[str, None] = {}  # layer names, first use first
-        self._reported: set[str] = set()
+        self.registry = GraphRegistry()
+        self._coverage = CoverageCheck(transform, self.skip, strict) if transform is not None else None
+
+    @property
+    def graphs(self) -> list[CapturedGraph]:
+        """Every graph compiled so far (with its code if ``keep_code``)."""
+        return self.registry.graphs
 
     def __repr__(self) -> str:
         skip = "" if self.skip == DEFAULT_SKIP else f", skip={self.skip!r}"
@@ -86,13 +89,8 @@ class Backend:
     # ------------------------------------------------------------ compiling
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        graph = capture(gm, example_inputs, self._roots)
-        # Dynamo discards the graphs of an analysis it restarted.
-        self.graphs = [
-            g for g in self.graphs if g.compile_id != graph.compile_id or g.attempt >= graph.attempt
-        ]
-        self.graphs.append(graph)
-        self._forward_order.update(dict.fromkeys(p.layer for p in graph.params))
+        graph = capture(gm, example_inputs, self.registry.roots)
+        self.registry.add(graph)
         rewrite = functools.partial(self._rewrite_backward, graph)
         with _compat.autograd_cache_bypassed():
             return COMPILERS[self.compiler](gm, example_inputs, rewrite)
@@ -111,7 +109,8 @@ class Backend:
 
         def check_once(module: nn.Module, args: Any, output: Any) -> None:
             handle.remove()
-            self._check_model_reached(model)
+            if self._coverage is not None:
+                self._coverage.model_reached(self.registry, model)
 
         handle = compiled.register_forward_hook(check_once)
         return compiled
@@ -119,9 +118,9 @@ class Backend:
     def _rewrite_backward(self, graph: CapturedGraph, gm: torch.fx.GraphModule) -> None:
         outputs = passes.gradient_outputs(gm, graph.num_inputs)
         has_grad = {i for i, node in enumerate(outputs) if node is not None}
-        plan = plan_graph(self.transform, graph, has_grad, list(self._forward_order), self.skip)
-        if self.transform is not None:
-            self._check_coverage(graph, plan, has_grad)
+        plan = plan_graph(self.transform, graph, has_grad, self.registry.forward_order(), self.skip)
+        if self._coverage is not None:
+            self._coverage.graph(self.registry, graph, plan, has_grad)
         graph.layers = list(plan.layers)
         graph.routes = plan.active_routes()
         if self.keep_code:
@@ -178,115 +177,6 @@ class Backend:
         """Restore :meth:`state_dict` (before or after the first compile)."""
         self.store.load_state_dict(state)
 
-    # ------------------------------------------------------------ coverage
-
-    def _model_layers(self, graph: CapturedGraph, has_grad: set[int]) -> tuple[list[Layer], list[Layer]]:
-        """``(trainable, frozen)`` layers of the models ``graph`` belongs to.
-
-        Parameters present in ``graph`` without a gradient are left out: eager
-        PyTorch gives them no gradient either.
-        """
-        no_grad = {p.name for p in graph.params if p.index not in has_grad}
-        trainable: list[ParamRow] = []
-        frozen: list[ParamRow] = []
-        for key in dict.fromkeys(p.root for p in graph.params if p.root is not None):
-            root = self._roots[key]
-            model = root.module()
-            if model is not None:
-                rows, frozen_rows = model_rows(model, root.prefix)
-                trainable += [row for row in rows if row.param not in no_grad]
-                frozen += frozen_rows
-        trainable += [
-            ParamRow(p.layer, p.name, p.module_type, p.numel)
-            for p in graph.params
-            if p.root is None and p.index in has_grad
-        ]
-        frozen_layers = {row.layer for row in frozen} - {row.layer for row in trainable}
-        frozen = [row for row in frozen if row.layer in frozen_layers]
-        order, skip = list(self._forward_order), self.skip
-        return build_layers(trainable, order, skip), build_layers(frozen, order, skip)
-
-    def _check_coverage(self, graph: CapturedGraph, plan: GraphPlan, has_grad: set[int]) -> None:
-        trainable, frozen = self._model_layers(graph, has_grad)
-        intended = self.transform.routes(trainable)
-        locate = functools.partial(self.locate, graph)
-        parts = self._parts_of_same_forward(graph)
-        elsewhere = {p.layer for part in parts for p in part.params}
-        gaps = find_gaps(intended, plan.routes, self._shared_layers(graph, has_grad), elsewhere, locate)
-        graph.gaps = gaps
-        fatal = [gap for gap in gaps if gap.fatal]
-        if fatal:
-            text = "\n".join(gap.describe() for gap in fatal)
-            message = f"fxgrad: {text}\n{FATAL_ADVICE}{rnn_hint(_layers_of(fatal))}"
-            if self.strict:
-                raise CoverageError(message)
-            self._warn(message)
-        for gap in gaps:
-            if not gap.fatal:
-                self._warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
-        targeted = {name for route in self.transform.routes(frozen) for name in route.names}
-        frozen_targeted = [layer for layer in frozen if layer.name in targeted]
-        if frozen_targeted:
-            names = ", ".join(layer.name for layer in frozen_targeted[:20])
-            more = f" and {len(frozen_targeted) - 20} more" if len(frozen_targeted) > 20 else ""
-            self._warn(
-                f"fxgrad: {len(frozen_targeted)} layers the policy targets are frozen "
-                f"(requires_grad=False) and get no gradient: {names}{more}"
-            )
-
-    def _parts_of_same_forward(self, graph: CapturedGraph) -> list[CapturedGraph]:
-        """Other graphs that run in the same forward as ``graph``.
-
-        A graph break continues the forward in a new frame (a new frame id);
-        a recompile of the same frame (same frame id) is an alternative.
-        """
-        frame, _ = graph.compile_id
-        if frame is None:
-            return []
-        roots = graph.roots()
-        return [
-            other
-            for other in self.graphs
-            if other is not graph
-            and other.roots() & roots
-            and (other.compile_id[0] != frame or other.compile_id == graph.compile_id)
-        ]
-
-    def _shared_layers(self, graph: CapturedGraph, has_grad: set[int]) -> set[str]:
-        mine = {p.name: p.layer for p in graph.params if p.index in has_grad}
-        others = {name for part in self._parts_of_same_forward(graph) for name in part.param_names()}
-        return {layer for name, layer in mine.items() if name in others}
-
-    def locate(self, graph: CapturedGraph, layer: str) -> str:
-        """Where a layer missing from ``graph`` is, in words."""
-        parts = self._parts_of_same_forward(graph)
-        if any(p.layer == layer for part in parts for p in part.params):
-            return "in another compiled graph of the same forward (a graph break)"
-        if any(p.layer == layer for other in self.graphs for p in other.params):
-            return "in another compiled graph"
-        return "in no compiled graph: it runs outside torch.compile, or the forward does not use it"
-
-    def _check_model_reached(self, model: nn.Module) -> None:
-        if self.transform is None:
-            return
-        captured = {id(root.module()) for root in self._roots.values()}
-        if id(model) in captured or not any(p.requires_grad for p in model.parameters()):
-            return
-        layers = build_layers(model_rows(model, "")[0], (), self.skip)
-        message = (
-            f"fxgrad: no graph of {type(model).__name__} reached the backend, so torch.compile "
-            f"ran it eagerly and the policy {self.transform!r} does nothing.{rnn_hint(layers)}"
-        )
-        if self.strict and any(route.leaf.scope == "group" for route in self.transform.routes(layers)):
-            raise CoverageError(message)
-        self._warn(message)
-
-    def _warn(self, message: str) -> None:
-        if message not in self._reported:
-            self._reported.add(message)
-            warnings.warn(message, CoverageWarning, stacklevel=3)
-
-
 def _check_scaler(scaler: Any, transform: Transform | None) -> Any:
     if scaler is None:
         return None
@@ -300,10 +190,6 @@ def _check_scaler(scaler: Any, transform: Transform | None) -> Any:
             "skip the step and lower the scale; leave non-finite handling to the scaler"
         )
     return scaler
-
-
-def _layers_of(gaps: Sequence[Gap]) -> list[Layer]:
-    return [layer for gap in gaps for layer, _ in gap.layers]
 
 
 def backend(

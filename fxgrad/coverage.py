@@ -13,13 +13,18 @@ unless the backend has ``strict=False``.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable, Sequence
 
 import torch.nn as nn
 
+
 from fxgrad import _compat
-from fxgrad.base import Route
-from fxgrad.layers import Layer
+from fxgrad.base import Route, Transform
+from fxgrad.capture import CapturedGraph
+from fxgrad.layers import Layer, SkipEntry, build_layers, model_rows
+from fxgrad.plan import GraphPlan
+from fxgrad.registry import GraphRegistry
 
 
 class CoverageError(RuntimeError):
@@ -113,3 +118,62 @@ FATAL_ADVICE = (
     "lists them), freeze parameters the forward does not use (requires_grad_(False)), "
     "or pass strict=False to fxgrad.backend to apply the transform per graph anyway."
 )
+
+
+class CoverageCheck:
+    """Checks each backward graph of one backend and reports each finding once."""
+
+    def __init__(self, transform: Transform, skip: tuple[SkipEntry, ...], strict: bool) -> None:
+        self.transform, self.skip, self.strict = transform, skip, strict
+        self._reported: set[str] = set()
+
+    def graph(self, registry: GraphRegistry, graph: CapturedGraph, plan: GraphPlan, has_grad: set[int]) -> None:
+        """Compare ``plan`` with what the policy targets across the model; warn or raise."""
+        trainable, frozen = registry.model_layers(graph, has_grad, self.skip)
+        intended = self.transform.routes(trainable)
+        gaps = find_gaps(
+            intended,
+            plan.routes,
+            registry.shared_layers(graph, has_grad),
+            registry.layers_elsewhere(graph),
+            lambda layer: registry.locate(graph, layer),
+        )
+        graph.gaps = gaps
+        fatal = [gap for gap in gaps if gap.fatal]
+        if fatal:
+            text = "\n".join(gap.describe() for gap in fatal)
+            layers = [layer for gap in fatal for layer, _ in gap.layers]
+            message = f"fxgrad: {text}\n{FATAL_ADVICE}{rnn_hint(layers)}"
+            if self.strict:
+                raise CoverageError(message)
+            self._warn(message)
+        for gap in gaps:
+            if not gap.fatal:
+                self._warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
+        targeted = {name for route in self.transform.routes(frozen) for name in route.names}
+        frozen_targeted = [layer for layer in frozen if layer.name in targeted]
+        if frozen_targeted:
+            names = ", ".join(layer.name for layer in frozen_targeted[:20])
+            more = f" and {len(frozen_targeted) - 20} more" if len(frozen_targeted) > 20 else ""
+            self._warn(
+                f"fxgrad: {len(frozen_targeted)} layers the policy targets are frozen "
+                f"(requires_grad=False) and get no gradient: {names}{more}"
+            )
+
+    def model_reached(self, registry: GraphRegistry, model: nn.Module) -> None:
+        """After a first forward: complain if no graph of ``model`` reached the backend."""
+        if registry.reached(model) or not any(p.requires_grad for p in model.parameters()):
+            return
+        layers = build_layers(model_rows(model, "")[0], (), self.skip)
+        message = (
+            f"fxgrad: no graph of {type(model).__name__} reached the backend, so torch.compile "
+            f"ran it eagerly and the policy {self.transform!r} does nothing.{rnn_hint(layers)}"
+        )
+        if self.strict and any(route.leaf.scope == "group" for route in self.transform.routes(layers)):
+            raise CoverageError(message)
+        self._warn(message)
+
+    def _warn(self, message: str) -> None:
+        if message not in self._reported:
+            self._reported.add(message)
+            warnings.warn(message, CoverageWarning, stacklevel=4)

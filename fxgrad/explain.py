@@ -163,7 +163,7 @@ def _decisions(model: nn.Module, probe: Backend) -> list[LayerDecision]:
 def _where(probe: Backend, layer: str) -> str:
     if not probe.graphs:
         return "no graph was compiled (Dynamo ran the model eagerly)"
-    return probe.locate(probe.graphs[-1], layer)
+    return probe.registry.locate(probe.graphs[-1], layer)
 
 
 def _loss_of(output: Any) -> torch.Tensor:

@@ -166,3 +166,12 @@ def build_layers(
             )
         )
     return layers
+
+
+def model_rows(model: nn.Module, prefix: str) -> tuple[list[ParamRow], list[ParamRow]]:
+    """``(trainable, frozen)`` parameter rows of a model, in ``named_modules`` order."""
+    trainable, frozen = [], []
+    for owner in parameter_owners(model, prefix).values():
+        row = ParamRow(owner.layer, owner.param, type(owner.module), owner.tensor.numel())
+        (trainable if owner.tensor.requires_grad else frozen).append(row)
+    return trainable, frozen

@@ -10,11 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-import torch.nn as nn
-
 from fxgrad.base import Route, Transform
 from fxgrad.capture import CapturedGraph
-from fxgrad.layers import Layer, ParamRow, SkipEntry, build_layers, parameter_owners
+from fxgrad.layers import Layer, ParamRow, SkipEntry, build_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +44,3 @@ def plan_graph(
     routes = transform.routes(layers) if transform is not None else []
     return GraphPlan(tuple(layers), slots, tuple(routes))
 
-
-def model_rows(model: nn.Module, prefix: str) -> tuple[list[ParamRow], list[ParamRow]]:
-    """``(trainable, frozen)`` parameter rows of a model, in ``named_modules`` order."""
-    trainable, frozen = [], []
-    for owner in parameter_owners(model, prefix).values():
-        row = ParamRow(owner.layer, owner.param, type(owner.module), owner.tensor.numel())
-        (trainable if owner.tensor.requires_grad else frozen).append(row)
-    return trainable, frozen

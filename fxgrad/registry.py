@@ -1,0 +1,103 @@
+"""Every graph a backend compiled, and the models they belong to.
+
+The coverage check and ``explain`` ask it where a layer is: in this graph,
+in another graph of the same forward (a graph break), in some other compiled
+graph, or nowhere.
+
+    registry = GraphRegistry()
+    registry.add(capture(gm, example_inputs, registry.roots))
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from fxgrad.capture import CapturedGraph, Root
+from fxgrad.layers import Layer, ParamRow, SkipEntry, build_layers, model_rows
+
+
+class GraphRegistry:
+    """Graphs in compile order; ``roots`` maps ``id(model)`` to the model."""
+
+    def __init__(self) -> None:
+        self.graphs: list[CapturedGraph] = []
+        self.roots: dict[int, Root] = {}
+        self._forward_order: dict[str, None] = {}  # layer names, first use first
+
+    def add(self, graph: CapturedGraph) -> None:
+        # Dynamo discards the graphs of an analysis it restarted (same compile id).
+        self.graphs = [g for g in self.graphs if g.compile_id != graph.compile_id or g.attempt >= graph.attempt]
+        self.graphs.append(graph)
+        self._forward_order.update(dict.fromkeys(p.layer for p in graph.params))
+
+    def forward_order(self) -> list[str]:
+        """Layer names in the order the compiled forward first used them."""
+        return list(self._forward_order)
+
+    def parts_of_same_forward(self, graph: CapturedGraph) -> list[CapturedGraph]:
+        """Other graphs of the same models that run in the same forward as ``graph``.
+
+        A graph break continues the forward in a new frame (a new frame id);
+        a recompile of the same frame (same frame id) is an alternative.
+        """
+        frame, _ = graph.compile_id
+        if frame is None:
+            return []
+        roots = graph.roots()
+        return [
+            other
+            for other in self.graphs
+            if other is not graph
+            and other.roots() & roots
+            and (other.compile_id[0] != frame or other.compile_id == graph.compile_id)
+        ]
+
+    def layers_elsewhere(self, graph: CapturedGraph) -> set[str]:
+        """Layers that other graphs of the same forward hold."""
+        return {p.layer for part in self.parts_of_same_forward(graph) for p in part.params}
+
+    def shared_layers(self, graph: CapturedGraph, has_grad: set[int]) -> set[str]:
+        """Layers with a parameter that another graph of the same forward also uses."""
+        mine = {p.name: p.layer for p in graph.params if p.index in has_grad}
+        others = {name for part in self.parts_of_same_forward(graph) for name in part.param_names()}
+        return {layer for name, layer in mine.items() if name in others}
+
+    def locate(self, graph: CapturedGraph, layer: str) -> str:
+        """Where a layer missing from ``graph`` is, in words."""
+        if any(p.layer == layer for part in self.parts_of_same_forward(graph) for p in part.params):
+            return "in another compiled graph of the same forward (a graph break)"
+        if any(p.layer == layer for other in self.graphs for p in other.params):
+            return "in another compiled graph"
+        return "in no compiled graph: it runs outside torch.compile, or the forward does not use it"
+
+    def model_layers(
+        self, graph: CapturedGraph, has_grad: set[int], skip: tuple[SkipEntry, ...]
+    ) -> tuple[list[Layer], list[Layer]]:
+        """``(trainable, frozen)`` layers of the models ``graph`` belongs to.
+
+        Parameters present in ``graph`` without a gradient are left out: eager
+        PyTorch gives them no gradient either.
+        """
+        no_grad = {p.name for p in graph.params if p.index not in has_grad}
+        trainable: list[ParamRow] = []
+        frozen: list[ParamRow] = []
+        for key in dict.fromkeys(p.root for p in graph.params if p.root is not None):
+            root = self.roots[key]
+            model = root.module()
+            if model is not None:
+                rows, frozen_rows = model_rows(model, root.prefix)
+                trainable += [row for row in rows if row.param not in no_grad]
+                frozen += frozen_rows
+        trainable += [
+            ParamRow(p.layer, p.name, p.module_type, p.numel)
+            for p in graph.params
+            if p.root is None and p.index in has_grad
+        ]
+        frozen_layers = {row.layer for row in frozen} - {row.layer for row in trainable}
+        frozen = [row for row in frozen if row.layer in frozen_layers]
+        order = self.forward_order()
+        return build_layers(trainable, order, skip), build_layers(frozen, order, skip)
+
+    def reached(self, model: nn.Module) -> bool:
+        """Whether some compiled graph used ``model``'s parameters."""
+        return any(root.module() is model for root in self.roots.values())
