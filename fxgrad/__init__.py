@@ -16,8 +16,10 @@ from fxgrad.coverage import CoverageError, CoverageWarning
 from fxgrad.explain import LayerDecision, Report, explain
 from fxgrad.layers import DEFAULT_SKIP, Layer
 from fxgrad.nonfinite import skip_nonfinite, step_if_finite, zero_nonfinite
+from fxgrad.normalize import multi_normalize, normalize, sinkhorn
 from fxgrad.telemetry import monitor
 from fxgrad.transforms import clip_by_global_norm, clip_by_norm, clip_by_value, rescale
+from fxgrad.weights import adaptive_grad_clip, balance_norms, scale_by_trust_ratio, weight_norm_drift
 
 __all__ = [
     "Backend",
@@ -30,8 +32,10 @@ __all__ = [
     "Report",
     "Route",
     "Transform",
+    "adaptive_grad_clip",
     "autoclip",
     "backend",
+    "balance_norms",
     "by_name",
     "by_type",
     "chain",
@@ -41,9 +45,14 @@ __all__ = [
     "explain",
     "from_config",
     "monitor",
+    "multi_normalize",
+    "normalize",
     "rescale",
+    "scale_by_trust_ratio",
+    "sinkhorn",
     "skip_nonfinite",
     "step_if_finite",
+    "weight_norm_drift",
     "zclip",
     "zero_nonfinite",
 ]

@@ -125,10 +125,8 @@ class Backend:
         graph.routes = plan.active_routes()
         if self.keep_code:
             graph.backward_before = normalize_code(gm.code)
-        params = {p.layer: [] for p in graph.params}
-        for p in graph.params:
-            params[p.layer].append(p.tensor)
-        rewrite_backward(gm, plan, outputs, self.store, self.scaler, lambda layer: [r() for r in params[layer]])
+        tensors = {p.name: p.tensor for p in graph.params}
+        rewrite_backward(gm, plan, outputs, self.store, self.scaler, lambda names: [tensors[n]() for n in names])
         if self.keep_code:
             self._keep_code(graph, gm, outputs, has_grad)
 

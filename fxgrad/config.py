@@ -30,7 +30,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from fxgrad import adaptive, compose, nonfinite, telemetry, transforms
+from fxgrad import adaptive, compose, nonfinite, normalize, telemetry, transforms, weights
 from fxgrad.backend import Backend
 from fxgrad.base import Transform
 from fxgrad.layers import DEFAULT_SKIP
@@ -45,6 +45,13 @@ FACTORIES = {
     "zclip": adaptive.zclip,
     "zero_nonfinite": nonfinite.zero_nonfinite,
     "skip_nonfinite": nonfinite.skip_nonfinite,
+    "normalize": normalize.normalize,
+    "multi_normalize": normalize.multi_normalize,
+    "sinkhorn": normalize.sinkhorn,
+    "adaptive_grad_clip": weights.adaptive_grad_clip,
+    "scale_by_trust_ratio": weights.scale_by_trust_ratio,
+    "weight_norm_drift": weights.weight_norm_drift,
+    "balance_norms": weights.balance_norms,
 }
 ROUTERS = {"by_type": compose.by_type, "by_name": compose.by_name}
 BACKEND_KEYS = {"transform", "skip", "compiler", "strict"}

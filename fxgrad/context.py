@@ -30,7 +30,7 @@ class GraphContext:
     """Shared by the routes of one backward graph: store, device, loss scale, stats."""
 
     def __init__(self, store: StateStore, device: torch.device, scaler: Any = None,
-                 params: Callable[[str], list[torch.Tensor]] | None = None) -> None:
+                 params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None) -> None:
         self.store, self.device = store, device
         self.params = params
         self._stats: dict[str, torch.Tensor] = {}
@@ -38,7 +38,7 @@ class GraphContext:
         self.scale: torch.Tensor | None = None
         if scaler is not None:
             read = lambda: _read_scale(scaler)  # noqa: E731
-            group = store.external_group("loss scale", read, 1, device)
+            group = store.external_group("loss scale", ("loss scale",), read, 1, device)
             self.scale = torch.ops.fxgrad.load_state(group.name)[0]
 
     def route(self, index: int, name: str, layers: Sequence[Layer], executor: Any) -> RouteContext:
@@ -127,16 +127,80 @@ class RouteContext:
         self._executor.at_end(lambda: callback(self._executor.norms_now(names, (2.0,))))
 
     def weight_norms(self) -> torch.Tensor:
-        """The L2 norm of each layer's parameters (float64 vector), read on the device."""
-        if self.graph.params is None:
-            raise RuntimeError("parameter values are not available in this graph")
-        params = self.graph.params
-        names = [layer.name for layer in self.layers]
+        """The L2 norm of each layer's parameters (float64 vector over ``layers``).
+
+        Parameters are not inputs of the backward graph; a custom op reads them
+        on the device (the optimizer has not stepped yet, so they are current).
+        """
+        params = self._params()
 
         def read() -> torch.Tensor:
-            norms = [torch.linalg.vector_norm(torch.stack(_compat.foreach_norm(params(n)))) for n in names]
-            return torch.stack(norms)
+            return torch.stack([
+                torch.linalg.vector_norm(torch.stack(_compat.foreach_norm(layer_params)))
+                for layer_params in params()
+            ])
 
-        group = self.graph.store.external_group(f"weight norms of {self.key}", read, len(names), self.graph.device)
+        return self._external("weight norms", read, len(self.layers))
+
+    def weight_row_norms(self) -> list[list[torch.Tensor]]:
+        """Per layer, per parameter: the L2 norm of each output row (dims 1..), kept
+        broadcastable (``(rows, 1, ...)``); one norm for 0-D and 1-D parameters."""
+        params = self._params()
+        shapes = [[_row_shape(p) for p in layer_params] for layer_params in params()]
+
+        def read() -> torch.Tensor:
+            return torch.cat([_row_norms(p).reshape(-1) for layer_params in params() for p in layer_params])
+
+        flat_norms = self._external("weight row norms", read, sum(math.prod(s) for ss in shapes for s in ss))
+        out, offset = [], 0
+        for layer_shapes in shapes:
+            out.append([])
+            for shape in layer_shapes:
+                out[-1].append(flat_norms[offset : offset + math.prod(shape)].view(shape))
+                offset += math.prod(shape)
+        return out
+
+    def weights(self) -> list[list[torch.Tensor]]:
+        """Per layer, per parameter: a float32 copy of the parameter's values.
+
+        Costs one read of those parameters per step.
+        """
+        params = self._params()
+        shapes = [[tuple(p.shape) for p in layer_params] for layer_params in params()]
+
+        def read() -> torch.Tensor:
+            return torch.cat([p.reshape(-1) for layer_params in params() for p in layer_params])
+
+        values = self._external("weights", read, sum(math.prod(s) for ss in shapes for s in ss),
+                               dtype=torch.float32)
+        out, offset = [], 0
+        for layer_shapes in shapes:
+            out.append([])
+            for shape in layer_shapes:
+                out[-1].append(values[offset : offset + math.prod(shape)].view(shape))
+                offset += math.prod(shape)
+        return out
+
+    def _params(self) -> Callable[[], list[list[torch.Tensor]]]:
+        if self.graph.params is None:
+            raise RuntimeError("parameter values are not available in this graph")
+        lookup = self.graph.params
+        names = [layer.params for layer in self.layers]
+        return lambda: [lookup(layer_params) for layer_params in names]
+
+    def _external(self, what: str, read: Callable[[], torch.Tensor], numel: int,
+                  dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        key = (what, self.key, tuple(layer.name for layer in self.layers))
+        group = self.graph.store.external_group(f"{what} of {self.key}", key, read, numel, self.graph.device, dtype)
         return torch.ops.fxgrad.load_state(group.name)
 
+
+def _row_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return (param.shape[0],) + (1,) * (param.dim() - 1) if param.dim() > 1 else ()
+
+
+def _row_norms(param: torch.Tensor) -> torch.Tensor:
+    """Unit-wise norms as AGC defines them: per output row for 2+ dims, whole tensor else."""
+    if param.dim() <= 1:
+        return torch.linalg.vector_norm(param.float())
+    return torch.linalg.vector_norm(param.float(), dim=tuple(range(1, param.dim())), keepdim=True)

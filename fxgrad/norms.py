@@ -35,6 +35,8 @@ def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
         return _reduce([t.abs().amax() for t in wide], torch.maximum)
     if p == 2.0:
         return _reduce([(t * t).sum() for t in wide], torch.add)
+    if p == 1.0:
+        return _reduce([t.abs().sum() for t in wide], torch.add)
     return _reduce([t.abs().pow(p).sum() for t in wide], torch.add)
 
 
@@ -44,6 +46,8 @@ def root(value: torch.Tensor, p: float) -> torch.Tensor:
         return value
     if p == 2.0:
         return value.sqrt()
+    if p == 1.0:
+        return value
     return value.pow(1.0 / p)
 
 
@@ -73,10 +77,14 @@ class NormStats:
 
     def scaled(self, factor: Factor) -> NormStats:
         """The statistics of the gradients multiplied by ``factor >= 0``."""
-        return NormStats({
-            p: s * factor if math.isinf(p) else s * (factor * factor if p == 2.0 else factor ** p)
-            for p, s in self.sums.items()
-        })
+        return NormStats({p: s * _power(factor, p) for p, s in self.sums.items()})
+
+
+def _power(factor: Factor, p: float) -> Factor:
+    """``factor ** p`` for how power sums scale (``factor`` itself for 1 and inf)."""
+    if math.isinf(p) or p == 1.0:
+        return factor
+    return factor * factor if p == 2.0 else factor**p
 
 
 def group_norm(stats: Sequence[NormStats], p: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ rewritten graph reads top to bottom in policy order::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -30,13 +30,13 @@ def rewrite_backward(
     outputs: list[torch.fx.Node | None],
     store: StateStore,
     scaler: Any = None,
-    params: Callable[[str], list[torch.Tensor]] | None = None,
+    params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
 ) -> None:
     """Insert the plan's rules before ``gm``'s output and return their results instead.
 
     ``store`` holds the transforms' device state; ``scaler`` is the GradScaler
-    whose scale the gradients carry, if any; ``params(layer)`` returns a
-    layer's parameters (for transforms that read weights).
+    whose scale the gradients carry, if any; ``params(names)`` returns the
+    parameters with those qualified names (for transforms that read weights).
     """
     routes = [(i, route) for i, route in enumerate(plan.routes) if route.layers]
     if not routes:

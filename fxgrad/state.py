@@ -43,7 +43,7 @@ def load_state(group: str) -> torch.Tensor:
 @load_state.register_fake
 def _load_state_fake(group: str) -> torch.Tensor:
     found = _GROUPS[group]
-    return torch.empty(found.numel, dtype=torch.float64, device=found.device)
+    return torch.empty(found.numel, dtype=found.dtype, device=found.device)
 
 
 @torch.library.custom_op("fxgrad::save_state", mutates_args=())
@@ -74,6 +74,7 @@ class Group:
             offset += math.prod(shape)
         self.numel = offset
         self.device = device
+        self.dtype = torch.float64
         with _compat.outside_dispatch_modes():
             self.buffer = torch.empty(offset, dtype=torch.float64, device=device)
             for key, shape, init in entries:
@@ -102,15 +103,16 @@ class ExternalGroup:
     graph does not otherwise see). ``read`` runs on the device, no sync.
     """
 
-    def __init__(self, label: str, read: Callable[[], torch.Tensor], numel: int, device: torch.device) -> None:
+    def __init__(self, label: str, read: Callable[[], torch.Tensor], numel: int, device: torch.device,
+                 dtype: torch.dtype = torch.float64) -> None:
         self.name = f"x{next(_NAMES)}"
         self.label = label
-        self.read, self.numel, self.device = read, numel, device
+        self.read, self.numel, self.device, self.dtype = read, numel, device, dtype
         _GROUPS[self.name] = self
 
     def load(self) -> torch.Tensor:
         with torch.no_grad():
-            return self.read().detach().to(torch.float64, copy=True).reshape(-1)
+            return self.read().detach().to(self.dtype, copy=True).reshape(-1)
 
 
 class StateStore:
@@ -119,7 +121,7 @@ class StateStore:
     def __init__(self) -> None:
         self.groups: dict[tuple, Group] = {}
         self.stats: dict[tuple, Group] = {}
-        self.external: dict[str, ExternalGroup] = {}
+        self.external: dict[tuple, ExternalGroup] = {}
         self._pending: dict[str, torch.Tensor] = {}
 
     def group(self, label: str, key: tuple, entries: Sequence[Entry], device: torch.device, *,
@@ -130,11 +132,11 @@ class StateStore:
             table[key] = Group(label, entries, device, {} if stats else self._pending)
         return table[key]
 
-    def external_group(
-        self, key: str, read: Callable[[], torch.Tensor], numel: int, device: torch.device
-    ) -> ExternalGroup:
+    def external_group(self, label: str, key: tuple, read: Callable[[], torch.Tensor], numel: int,
+                       device: torch.device, dtype: torch.dtype = torch.float64) -> ExternalGroup:
+        """The read-only group for ``key``, created the first time."""
         if key not in self.external:
-            self.external[key] = ExternalGroup(key, read, numel, device)
+            self.external[key] = ExternalGroup(label, read, numel, device, dtype)
         return self.external[key]
 
     def values(self, stats: bool = False) -> dict[str, torch.Tensor]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from unittest import mock
 
 import torch
 
@@ -57,3 +59,54 @@ def check_parity(model_name, transform, reference, compiler="aot_eager", rtol=1e
     reference(expected)
     assert_grads_close(model, expected, rtol)
     return backend
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Fail on the calls that copy a device value to the host."""
+
+    def sync(*args, **kwargs):
+        raise AssertionError("host sync in the training step")
+
+    with mock.patch.object(torch.Tensor, "item", sync), mock.patch.object(torch.Tensor, "tolist", sync), \
+            mock.patch.object(torch.Tensor, "__bool__", sync):
+        yield
+
+
+def batches(steps, spikes=()):
+    """Deterministic inputs, and a loss weight: 30 on ``spikes`` steps (gradient spikes)."""
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        yield step, torch.randn(8, 16, generator=gen), 30.0 if step in spikes else 1.0
+
+
+def run_both(policy, reference_step, steps, spikes=(), compiler="aot_eager", model=None, lr=0.0, rtol=1e-5,
+             inputs=None):
+    """Same model, same inputs; compiled with ``policy`` vs eager + ``reference_step``.
+
+    With ``lr=0`` there is no optimizer step, so the two runs differ only
+    through the policies' state; with ``lr > 0`` both take SGD steps. Every
+    step after the first runs under :func:`no_host_sync`. ``inputs`` replaces
+    :func:`batches`. Returns the backend and the reference's per-step results.
+    """
+    torch.manual_seed(0)
+    model = model if model is not None else models.MLP()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(policy, compiler=compiler)
+    compiled = backend.compile(model)
+    results = []
+    for step, x, weight in inputs if inputs is not None else batches(steps, spikes):
+        model.zero_grad()
+        eager.zero_grad()
+        with no_host_sync() if step > 0 else contextlib.nullcontext():
+            (models.loss_of(compiled(x)) * weight).backward()
+        (models.loss_of(eager(x)) * weight).backward()
+        results.append(reference_step(eager))
+        assert_grads_close(model, eager, rtol=rtol)
+        if lr:
+            with torch.no_grad():
+                for a, b in zip(model.parameters(), eager.parameters()):
+                    a -= lr * a.grad
+                    b -= lr * b.grad
+    assert len(backend.graphs) == 1  # thresholds changed every step, the graph did not
+    return backend, results

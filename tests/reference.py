@@ -181,3 +181,148 @@ class Monitor:
             out[name] = {"grad_norm": norm, "grad_norm_ema": mean, "grad_norm_std": var ** 0.5,
                          "spike": float(spike)}
         return out
+
+
+def _layer_grads64(params):
+    return [p.grad.double() for p in params]
+
+
+def _set(params, values):
+    for p, v in zip(params, values):
+        p.grad.copy_(v.to(p.grad.dtype))
+
+
+def normalize(model, norm="l2", scale=1.0, eps=1e-8):
+    """``g <- scale * g / (||g|| + eps)`` per non-norm layer, float64."""
+    for _, _, params in trainable_layers(model):
+        grads = _layer_grads64(params)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        n = {"l2": flat.norm(), "linf": flat.abs().max(), "rms": flat.norm() / flat.numel() ** 0.5}[norm]
+        _set(params, [g * (scale / (n + eps)) for g in grads])
+
+
+def sinkhorn(model, iters=5, eps=1e-8):
+    for _, _, params in trainable_layers(model):
+        values = []
+        for g in _layer_grads64(params):
+            if g.dim() >= 2:
+                y = g.reshape(g.shape[0], -1)
+                m, n = y.shape
+                for _ in range(iters):
+                    y = y * (n ** 0.5 / (y.norm(dim=1, keepdim=True) + eps))
+                    y = y * (m ** 0.5 / (y.norm(dim=0, keepdim=True) + eps))
+                values.append(y.reshape(g.shape))
+            else:
+                values.append(g * (g.numel() ** 0.5 / (g.norm() + eps)))
+        _set(params, values)
+
+
+def agc(model, clipping=0.01, eps=1e-3):
+    """timm's adaptive_clip_grad, unit-wise, float64."""
+    def unitwise(x):
+        dims = tuple(range(1, x.dim()))
+        return x.norm() if x.dim() <= 1 else torch.linalg.vector_norm(x, dim=dims, keepdim=True)
+
+    for _, _, params in trainable_layers(model):
+        for p in params:
+            g = p.grad.double()
+            bound = unitwise(p.detach().double()).clamp(min=eps) * clipping
+            norm = unitwise(g)
+            p.grad.copy_(torch.where(norm < bound, g, g * (bound / norm.clamp(min=1e-6))).to(p.grad.dtype))
+
+
+def trust_ratio(model, coefficient=1.0, eps=0.0, min_norm=0.0):
+    for _, _, params in trainable_layers(model):
+        w = torch.cat([p.detach().double().reshape(-1) for p in params]).norm().clamp(min=min_norm)
+        g = torch.cat([p.grad.double().reshape(-1) for p in params]).norm().clamp(min=min_norm)
+        ratio = 1.0 if w == 0 or g == 0 else coefficient * w / (g + eps)
+        _set(params, [p.grad.double() * ratio for p in params])
+
+
+class Drift:
+    def __init__(self, every, min_denominator=0.1):
+        self.every, self.min_denominator = every, min_denominator
+        self.initial, self.factor, self.steps = {}, {}, 0
+
+    def step(self, model):
+        import math
+
+        for name, _, params in trainable_layers(model):
+            w = torch.cat([p.detach().double().reshape(-1) for p in params]).norm().item()
+            self.initial.setdefault(name, w)
+            if self.steps % self.every == 0:
+                self.factor[name] = 1.0 / max(1.0 + math.log(w / self.initial[name]), self.min_denominator)
+            _set(params, [p.grad.double() * self.factor[name] for p in params])
+        self.steps += 1
+
+
+class Balance:
+    def __init__(self, k, lam, every, entropy_drop):
+        self.k, self.lam, self.every, self.entropy_drop = k, lam, every, entropy_drop
+        self.entropy, self.steps = 0.0, 0
+
+    def step(self, model):
+        import math
+
+        chosen = trainable_layers(model)
+        norms = [torch.cat([p.detach().double().reshape(-1) for p in ps]).norm().item() for _, _, ps in chosen]
+        share = [n / sum(norms) for n in norms]
+        entropy = -sum(p * math.log(p) for p in share if p > 0)
+        applied = False
+        if self.steps % self.every == 0:
+            if self.steps > 0 and self.entropy - entropy > self.entropy_drop:
+                applied = True
+                k = min(self.k, len(chosen) // 2)
+                order = sorted(range(len(norms)), key=norms.__getitem__)
+                top, bottom = order[-k:], order[:k]
+                delta = (sum(norms[i] for i in top) - sum(norms[i] for i in bottom)) / (2 * k)
+                for sign, picked in ((1.0, top), (-1.0, bottom)):
+                    for i in picked:
+                        for p in chosen[i][2]:
+                            p.grad.add_((sign * 2 * self.lam * delta * p.detach().double()).to(p.grad.dtype))
+            self.entropy = entropy
+        self.steps += 1
+        return applied
+
+
+class MultiNormalize:
+    """The documented selection rule, per layer, on the host (float64)."""
+
+    RANK = {"l2": 0, "rms": 0, "mix": 1, "linf": 2}
+
+    def __init__(self, schedule, thresholds, candidates, eps=1e-8):
+        self.schedule, self.thresholds, self.candidates, self.eps = schedule, thresholds, candidates, eps
+        self.state = {}
+
+    @staticmethod
+    def _segment(pieces, step):
+        return [value for start, value in pieces if step >= start][-1]
+
+    def step(self, model):
+        import math
+
+        out = {}
+        for name, _, params in trainable_layers(model):
+            flat = torch.cat([p.grad.double().reshape(-1) for p in params])
+            n = flat.numel()
+            values = {"l2": flat.norm().item(), "linf": flat.abs().max().item(),
+                      "rms": flat.norm().item() / math.sqrt(n)}
+            l1 = flat.abs().sum().item()
+            rho = min(max(1 - (math.pi / 2) * l1 * l1 / (n * max(values["l2"], 1e-30) ** 2), 0.0), 1.0)
+            choice, reference, steps = self.state.get(name, (0, 0.0, 0))
+            norms = self._segment(self.schedule, steps)
+            allowed = sorted(list(norms) + (["mix"] if len(norms) > 1 else []), key=self.RANK.__getitem__)
+            ladder = [self.candidates.index(c) for c in allowed]
+            fresh = ladder[min(max(int(math.floor(rho * len(ladder))), 0), len(ladder) - 1)]
+            threshold = self._segment(self.thresholds, steps)
+            if steps == 0 or abs(rho - reference) > threshold * max(reference, 1e-3) or choice not in ladder:
+                choice, reference = fresh, rho
+            self.state[name] = (choice, reference, steps + 1)
+            chosen = self.candidates[choice]
+            if chosen == "mix":
+                divisor = math.exp(sum(math.log(max(values[m], 1e-30)) for m in norms) / len(norms))
+            else:
+                divisor = values[chosen]
+            _set(params, [p.grad.double() / (divisor + self.eps) for p in params])
+            out[name] = (choice, rho)
+        return out

@@ -4,9 +4,7 @@ Every stateful transform is compared step by step with an eager
 reimplementation that keeps its state in Python (tests/reference.py).
 """
 
-import contextlib
 import copy
-from unittest import mock
 
 import pytest
 import torch
@@ -15,50 +13,7 @@ import torch.nn as nn
 import fxgrad
 import models
 import reference as ref
-from parity import assert_grads_close
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    """Fail on the calls that copy a device value to the host."""
-
-    def sync(*args, **kwargs):
-        raise AssertionError("host sync in the training step")
-
-    with mock.patch.object(torch.Tensor, "item", sync), mock.patch.object(torch.Tensor, "tolist", sync), \
-            mock.patch.object(torch.Tensor, "__bool__", sync):
-        yield
-
-
-def batches(steps, spikes=()):
-    """Deterministic inputs, and a loss weight: 30 on ``spikes`` steps (gradient spikes)."""
-    gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        yield step, torch.randn(8, 16, generator=gen), 30.0 if step in spikes else 1.0
-
-
-def run_both(policy, reference_step, steps, spikes=(), compiler="aot_eager"):
-    """Same model, same inputs; compiled with ``policy`` vs eager + ``reference_step``.
-
-    No optimizer step, so the two runs differ only through the policies' state.
-    Returns the backend and the reference's per-step results.
-    """
-    torch.manual_seed(0)
-    model = models.MLP()
-    eager = copy.deepcopy(model)
-    backend = fxgrad.backend(policy, compiler=compiler)
-    compiled = backend.compile(model)
-    results = []
-    for step, x, weight in batches(steps, spikes):
-        model.zero_grad()
-        eager.zero_grad()
-        with no_host_sync() if step > 0 else contextlib.nullcontext():
-            (models.loss_of(compiled(x)) * weight).backward()
-        (models.loss_of(eager(x)) * weight).backward()
-        results.append(reference_step(eager))
-        assert_grads_close(model, eager, rtol=1e-5)
-    assert len(backend.graphs) == 1  # thresholds changed every step, the graph did not
-    return backend, results
+from parity import assert_grads_close, batches, run_both
 
 
 def test_autoclip_matches_numpy_percentile_reference():
