@@ -22,6 +22,7 @@ demo: setup
 examples: setup
 	$(PY) -m pip install --quiet -e ".[examples]"
 	$(PY) examples/telemetry.py
+	$(PY) examples/sinkgd.py
 
 test: setup
 	$(PY) -m pytest -q
