@@ -68,11 +68,38 @@ def eager_full(monitor: EagerMonitor):
     return full
 
 
+def eager_agc(model: nn.Module, layers, clipping: float = 0.01, eps: float = 1e-3) -> None:
+    """timm's adaptive_clip_grad, unit-wise, in place."""
+    for params in layers:
+        for p in params:
+            dims = tuple(range(1, p.dim())) if p.dim() > 1 else None
+            bound = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True).clamp_(min=eps).mul_(clipping)
+            norm = torch.linalg.vector_norm(p.grad, dim=dims, keepdim=True)
+            p.grad.copy_(torch.where(norm < bound, p.grad, p.grad * (bound / norm.clamp(min=1e-6))))
+
+
+def eager_sinkhorn(model: nn.Module, layers, iters: int = 5) -> None:
+    for params in layers:
+        for p in params:
+            g = p.grad
+            if g.dim() >= 2:
+                y = g.reshape(g.shape[0], -1)
+                m, n = y.shape
+                for _ in range(iters):
+                    y = y * (n**0.5 / (torch.linalg.vector_norm(y, dim=1, keepdim=True) + 1e-8))
+                    y = y * (m**0.5 / (torch.linalg.vector_norm(y, dim=0, keepdim=True) + 1e-8))
+                g.copy_(y.reshape(g.shape))
+            else:
+                g.mul_(g.numel() ** 0.5 / (torch.linalg.vector_norm(g) + 1e-8))
+
+
 POLICIES = {
     "global_clip": (fxgrad.clip_by_global_norm(1.0), lambda: eager_global_clip),
     "per_layer_clip": (fxgrad.clip_by_norm(1.0), lambda: eager_per_layer_clip),
     "rescale": (fxgrad.rescale(alpha=0.5), lambda: eager_rescale),
     "monitor": (fxgrad.monitor(), EagerMonitor),
+    "agc": (fxgrad.adaptive_grad_clip(0.01), lambda: eager_agc),
+    "sinkhorn": (fxgrad.sinkhorn(iters=5), lambda: eager_sinkhorn),
     "full": (
         fxgrad.chain(fxgrad.monitor(), fxgrad.rescale(alpha=0.5), fxgrad.clip_by_norm(1.0)),
         lambda: eager_full(EagerMonitor()),

@@ -107,3 +107,25 @@ def test_balance_norms_pushes_top_down_and_bottom_up():
     _, applied = run_both(fxgrad.balance_norms(k=1, lam=0.5, every=2, entropy_drop=0.0), reference.step, 10,
                           lr=0.5, rtol=1e-4)
     assert any(applied)
+
+
+@pytest.mark.parametrize("name", ["sinkhorn", "agc", "normalize_rms", "trust_ratio"])
+def test_with_grad_scaler_after_unscale(name):
+    import copy
+
+    import models
+    from parity import assert_grads_close
+
+    transform, reference = STATELESS[name]
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**12) for _ in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in (model, eager)]
+    compiled = fxgrad.backend(transform, compiler="aot_eager", scaler=scalers[0]).compile(model)
+    x = torch.randn(8, 16)
+    for net, scaler, optimizer in zip((compiled, eager), scalers, optimizers):
+        scaler.scale(models.loss_of(net(x))).backward()
+        scaler.unscale_(optimizer)
+    reference(eager)
+    assert_grads_close(model, eager, rtol=2e-5)
