@@ -21,8 +21,9 @@ demo: setup
 
 examples: setup
 	$(PY) -m pip install --quiet -e ".[examples]"
-	$(PY) examples/telemetry.py
-	$(PY) examples/sinkgd.py
+	for example in lstm_clipping resnet_rescale telemetry sinkgd hf_trainer policy_value; do \
+		$(PY) examples/$$example.py || exit 1; \
+	done
 
 test: setup
 	$(PY) -m pytest -q
