@@ -56,7 +56,20 @@ def deep_mlp(scale: float = 1.0):
     return nn.Sequential(*layers, nn.Linear(64, 1)), (torch.randn(32, 64),), {}
 
 
-MODELS = {"gpt2": gpt2, "resnet": resnet, "deep_mlp": deep_mlp}
+def gpt2_124m(scale: float = 1.0):
+    """GPT-2 small (124M parameters: 12 layers, d=768) at full size; ``scale`` < 1 shrinks
+    depth and width (the CPU dry run of bench/gpu.sh)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    layers, width = max(1, round(12 * scale)), max(64, round(768 * scale) // 64 * 64)
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, n_positions=1024,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    length = 512 if scale >= 1.0 else 64
+    ids = torch.randint(0, config.vocab_size, (8, length))
+    return GPT2LMHeadModel(config), (ids,), {"labels": ids}
+
+
+MODELS = {"gpt2": gpt2, "resnet": resnet, "deep_mlp": deep_mlp, "gpt2_124m": gpt2_124m}
 
 
 def loss_of(output) -> torch.Tensor:

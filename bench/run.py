@@ -38,11 +38,13 @@ from fxgrad import _compat  # noqa: E402
 from models import MODELS, loss_of  # noqa: E402
 from policies import POLICIES, layers_of  # noqa: E402
 
-LAUNCH = re.compile(r"^\s+(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+)\(", re.MULTILINE)
+LAUNCH = re.compile(r"^\s+(cpp_fused_\w+|triton_\w+(?:\.run)?|extern_kernels\.\w+)\(", re.MULTILINE)
 
 
 class Variant:
     """One way of training one model copy."""
+
+    autocast: torch.dtype | None = None  # set by main() for --dtype bfloat16 / float16
 
     def __init__(self, name, model, compiled, after_backward, inputs):
         self.name, self.model, self.compiled = name, model, compiled
@@ -52,31 +54,45 @@ class Variant:
         self.layers = layers_of(model)
         self.times: list[float] = []
 
+    def loss(self) -> torch.Tensor:
+        device = next(self.model.parameters()).device.type
+        with torch.autocast(device, dtype=self.autocast, enabled=self.autocast is not None):
+            return loss_of(self.compiled(*self.args, **self.kwargs))
+
     def step(self) -> None:
-        loss_of(self.compiled(*self.args, **self.kwargs)).backward()
+        self.loss().backward()
         self.after_backward(self.model, self.layers)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        synchronize()
 
     def first_step(self) -> tuple[float, int]:
         """Compile and run one step; return its time and the backward's kernel launches."""
         start = time.perf_counter()
-        loss = loss_of(self.compiled(*self.args, **self.kwargs))
-        code = "\n".join(_compat.generated_code(loss.backward))
+        code = "\n".join(_compat.generated_code(self.loss().backward))
         self.after_backward(self.model, self.layers)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        synchronize()
         return time.perf_counter() - start, len(LAUNCH.findall(code))
+
+
+def synchronize() -> None:
+    """Wait for the GPU, so wall-clock times cover the work (a no-op on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def no_policy(model, layers) -> None:
     pass
 
 
-def build_variants(model_name, policies, scale, compiler):
+def build_variants(model_name, policies, scale, compiler, device="cpu"):
     torch.manual_seed(0)
     model, args, kwargs = MODELS[model_name](scale)
-    inputs = (args, kwargs)
+    model = model.to(device)
+    to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    inputs = (tuple(map(to, args)), {k: to(v) for k, v in kwargs.items()})
 
     def compiled(m):
         return torch.compile(m) if compiler == "inductor" else torch.compile(m, backend="aot_eager")
@@ -139,7 +155,8 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def first_step_seconds(model_name: str, policy: str | None, scale: float, compiler: str) -> float:
+def first_step_seconds(model_name: str, policy: str | None, scale: float, compiler: str, device: str,
+                       dtype: str) -> float:
     """Compile and run one step in a fresh process with empty Inductor caches."""
     import subprocess
     import tempfile
@@ -147,21 +164,15 @@ def first_step_seconds(model_name: str, policy: str | None, scale: float, compil
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
         command = [sys.executable, __file__, "--first-step", model_name, policy or "none",
-                   "--compiler", compiler, "--scale", str(scale)]
+                   "--compiler", compiler, "--scale", str(scale), "--device", device, "--dtype", dtype]
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def run_first_step(model_name: str, policy: str, scale: float, compiler: str) -> None:
-    torch.manual_seed(0)
-    model, args, kwargs = MODELS[model_name](scale)
-    start = time.perf_counter()
-    if policy == "none":
-        compiled = torch.compile(model) if compiler == "inductor" else torch.compile(model, backend="aot_eager")
-    else:
-        compiled = fxgrad.backend(POLICIES[policy][0], compiler=compiler).compile(model)
-    loss_of(compiled(*args, **kwargs)).backward()
-    print(time.perf_counter() - start)
+def run_first_step(model_name: str, policy: str, scale: float, compiler: str, device: str) -> None:
+    variants = build_variants(model_name, [] if policy == "none" else [policy], scale, compiler, device)
+    variant = variants[0] if policy == "none" else variants[1]
+    print(variant.first_step()[0])
 
 
 def pass_scaling(sizes) -> list[str]:
@@ -196,12 +207,18 @@ def main() -> None:
                         help="Markdown file to write, or - for stdout only")
     parser.add_argument("--compile-policies", default="global_clip,full",
                         help="policies whose cold compile time is measured (fresh process each)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="autocast dtype for the forward (parameters stay float32)")
+    parser.add_argument("--no-pass-scaling", action="store_true", help="skip the pass-time measurement")
     parser.add_argument("--first-step", nargs=2, metavar=("MODEL", "POLICY"), help=argparse.SUPPRESS)
     parser.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()
     scale = options.scale or (0.25 if options.quick else 1.0)
+    if options.dtype != "float32":
+        Variant.autocast = getattr(torch, options.dtype)
     if options.first_step:
-        run_first_step(*options.first_step, scale, options.compiler)
+        run_first_step(*options.first_step, scale, options.compiler, options.device)
         return
     repeats, steps = (2, 2) if options.quick else (options.repeats, options.steps)
     torch._dynamo.config.cache_size_limit = 64
@@ -210,9 +227,9 @@ def main() -> None:
     rows, notes = [], []
     for model_name in options.models.split(","):
         _compat.reset_dynamo()
-        cold = {p: first_step_seconds(model_name, p, scale, options.compiler)
+        cold = {p: first_step_seconds(model_name, p, scale, options.compiler, options.device, options.dtype)
                 for p in [None] + [p for p in options.compile_policies.split(",") if p in policies]}
-        variants = build_variants(model_name, policies, scale, options.compiler)
+        variants = build_variants(model_name, policies, scale, options.compiler, options.device)
         first = measure(variants, repeats, steps)
         model_rows, base = report_rows(model_name, policies, variants, first, cold)
         rows += model_rows
@@ -221,12 +238,13 @@ def main() -> None:
         print(markdown(model_rows), flush=True)
 
     command = "python bench/run.py " + " ".join(sys.argv[1:])
+    gpu = torch.cuda.get_device_name() if options.device == "cuda" else None
     text = "\n".join([
-        "# fxgrad benchmark (CPU)",
+        f"# fxgrad benchmark ({'GPU' if gpu else 'CPU'})",
         "",
         f"- date: {datetime.date.today()}",
-        f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        f"- machine: {gpu or platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, autocast {options.dtype}",
         f"- command: `{command.strip()}`",
         f"- method: variants interleaved in one process (order rotated each repeat), {repeats} repeats "
         f"x {steps} steps; each ratio is the median over repeats of the two variants' times in the "
@@ -241,9 +259,11 @@ def main() -> None:
         "Baselines:",
         *notes,
         "",
-        "Pass time (fxgrad's rewrite alone, `clip_by_global_norm`, MLP of Linear(8, 8)):",
-        "",
-        *pass_scaling((10, 100) if options.quick else (10, 100, 1000)),
+        *([] if options.no_pass_scaling else [
+            "Pass time (fxgrad's rewrite alone, `clip_by_global_norm`, MLP of Linear(8, 8)):",
+            "",
+            *pass_scaling((10, 100) if options.quick else (10, 100, 1000)),
+        ]),
         "",
     ])
     print(text)
