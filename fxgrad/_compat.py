@@ -27,6 +27,7 @@ __all__ = [
     "outside_dispatch_modes",
     "grad_scaler_scale",
     "foreach_norm",
+    "data_parallel_world_size",
     "aot_eager_compile",
     "autograd_cache_bypassed",
     "compile_id",
@@ -176,3 +177,10 @@ def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The L2 norm of each tensor, in as few kernels as torch can."""
     return list(torch._foreach_norm(tensors))
+
+
+def data_parallel_world_size() -> int:
+    """Processes in the default process group (1 outside torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -18,6 +18,7 @@ Inductor lowers and fuses it.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -28,15 +29,17 @@ import passes
 from fxgrad import _compat
 from fxgrad.base import Transform
 from fxgrad.capture import CapturedGraph, capture
-from fxgrad.coverage import CoverageCheck
+from fxgrad.coverage import CoverageCheck, CoverageError
 from fxgrad.graphtext import normalize_code, render_inserted
 from fxgrad.layers import DEFAULT_SKIP, SkipEntry, validate_skip
 from fxgrad.plan import plan_graph
 from fxgrad.registry import GraphRegistry
 from fxgrad.rewrite import rewrite_backward
 from fxgrad.state import StateStore
+from fxgrad.step import apply_to_grads
 
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
+SCOPES = ("auto", "graph", "step")
 
 
 class Backend:
@@ -55,12 +58,15 @@ class Backend:
         strict: bool = True,
         keep_code: bool = False,
         scaler: Any = None,
+        scope: str = "auto",
     ) -> None:
         if transform is not None and not isinstance(transform, Transform):
             raise TypeError(
                 f"transform must be an fxgrad transform or None, got {transform!r} "
                 f"({type(transform).__name__})"
             )
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         if compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {sorted(COMPILERS)}, got {compiler!r}")
         for name, flag in (("strict", strict), ("keep_code", keep_code)):
@@ -72,9 +78,12 @@ class Backend:
         self.strict = strict
         self.keep_code = keep_code
         self.scaler = _check_scaler(scaler, transform)
+        self.scope = scope
         self.store = StateStore()
         self.registry = GraphRegistry()
-        self._coverage = CoverageCheck(transform, self.skip, strict) if transform is not None else None
+        self._models: list[weakref.ref] = []  # models given to compile(), for step()
+        in_graph = transform is not None and scope != "step"
+        self._coverage = CoverageCheck(transform, self.skip, strict) if in_graph else None
 
     @property
     def graphs(self) -> list[CapturedGraph]:
@@ -84,7 +93,8 @@ class Backend:
     def __repr__(self) -> str:
         skip = "" if self.skip == DEFAULT_SKIP else f", skip={self.skip!r}"
         strict = "" if self.strict else ", strict=False"
-        return f"fxgrad.backend({self.transform!r}{skip}, compiler={self.compiler!r}{strict})"
+        scope = "" if self.scope == "auto" else f", scope={self.scope!r}"
+        return f"fxgrad.backend({self.transform!r}{skip}, compiler={self.compiler!r}{strict}{scope})"
 
     # ------------------------------------------------------------ compiling
 
@@ -105,6 +115,7 @@ class Backend:
         when ``strict`` and the policy reduces across layers.
         """
         compiled = torch.compile(model, backend=self, **compile_kwargs)
+        self._models.append(weakref.ref(model))
         handle = None
 
         def check_once(module: nn.Module, args: Any, output: Any) -> None:
@@ -113,7 +124,33 @@ class Backend:
                 self._coverage.model_reached(self.registry, model)
 
         handle = compiled.register_forward_hook(check_once)
+        if self._coverage is not None:
+            self._watch_accumulation(compiled, model)
         return compiled
+
+    def _watch_accumulation(self, compiled: nn.Module, model: nn.Module) -> None:
+        """Warn once if a forward starts with gradients already there (accumulation).
+
+        In-graph transforms act on each backward's gradient, so accumulating
+        micro-batches would transform each micro-batch. Checks one parameter:
+        O(1) per step, no sync.
+        """
+        first = next((p for p in model.parameters() if p.requires_grad), None)
+        if first is None:
+            return
+        handle = None
+
+        def check(module: nn.Module, args: Any) -> None:
+            if first.grad is not None:
+                handle.remove()
+                self._coverage.warn(
+                    "fxgrad: a forward started while .grad still held a gradient. If you accumulate "
+                    "gradients over micro-batches, scope='graph' transforms each micro-batch's gradient, "
+                    "not their sum: use fxgrad.backend(..., scope='step') and call backend.step() once "
+                    "per optimizer step. (zero_grad() before each forward silences this.)"
+                )
+
+        handle = compiled.register_forward_pre_hook(check)
 
     def _rewrite_backward(self, graph: CapturedGraph, gm: torch.fx.GraphModule) -> None:
         outputs = passes.gradient_outputs(gm, graph.num_inputs)
@@ -122,6 +159,17 @@ class Backend:
         if self._coverage is not None:
             self._coverage.graph(self.registry, graph, plan, has_grad)
         graph.layers = list(plan.layers)
+        if self.scope == "step" or self.transform is None:  # step(): the policy runs on .grad
+            return
+        world = _compat.data_parallel_world_size()
+        if self.scope == "auto" and world > 1:
+            raise DataParallelScopeError(
+                f"fxgrad: this is a data-parallel job ({world} processes). Inside the backward graph a "
+                "transform sees this process's local gradient, before DDP/FSDP average it. Choose:\n"
+                "  scope='step'  exact: the backward is left alone; call backend.step() after backward()\n"
+                "                (DDP has all-reduced by then) to transform the averaged gradient;\n"
+                "  scope='graph' local: each process transforms its own gradient before the all-reduce."
+            )
         graph.routes = plan.active_routes()
         if self.keep_code:
             graph.backward_before = normalize_code(gm.code)
@@ -139,6 +187,29 @@ class Backend:
         graph.inserted = render_inserted(
             gm, {outputs[slot]: names[slot] for slot in slots}, {names[slot]: returned[slot] for slot in slots}
         )
+
+    def step(self, model: nn.Module | None = None) -> None:
+        """Apply the policy to the current ``.grad`` (``scope="step"`` backends).
+
+        Call it once per optimizer step, after the last ``backward()`` (and
+        after DDP has reduced the gradients, which it does inside
+        ``backward()``). ``model`` defaults to every model this backend
+        compiled. No host sync; see :mod:`fxgrad.step`.
+        """
+        if self.scope != "step":
+            raise RuntimeError("step() needs fxgrad.backend(..., scope='step'); this backend rewrites "
+                               "the backward graphs instead")
+        if self.transform is None:
+            return
+        if model is not None:
+            models = [(model, "")]
+        else:
+            models = [(ref(), "") for ref in self._models if ref() is not None]
+            models += [(root.module(), root.prefix) for root in self.registry.roots.values()
+                       if root.module() is not None]
+        if not models:
+            raise RuntimeError("step() has no model: pass step(model), or compile one with this backend first")
+        apply_to_grads(self.transform, models, self.skip, self.store, self.scaler, self.registry.forward_order())
 
     # ------------------------------------------------------------ state
 
@@ -175,6 +246,10 @@ class Backend:
         """Restore :meth:`state_dict` (before or after the first compile)."""
         self.store.load_state_dict(state)
 
+class DataParallelScopeError(CoverageError):
+    """A data-parallel job must choose between exact and local semantics."""
+
+
 def _check_scaler(scaler: Any, transform: Transform | None) -> Any:
     if scaler is None:
         return None
@@ -198,6 +273,7 @@ def backend(
     strict: bool = True,
     keep_code: bool = False,
     scaler: Any = None,
+    scope: str = "auto",
 ) -> Backend:
     """A ``torch.compile`` backend that applies ``transform`` inside the backward graph.
 
@@ -216,9 +292,17 @@ def backend(
     * ``scaler``: the ``torch.amp.GradScaler`` whose scaled loss you backprop.
       Transforms then act on unscaled values (reading the scale on the device
       every step) and leave Inf/NaN for the scaler to find.
+    * ``scope``: ``"graph"`` rewrites each backward graph (fused into the
+      backward kernels); ``"step"`` leaves the backward alone and applies the
+      policy in :meth:`Backend.step`, once per optimizer step, to ``.grad``:
+      for gradient accumulation, DDP's all-reduced gradients, FSDP2, and
+      global transforms across graph breaks. ``"auto"`` (default) is
+      ``"graph"`` in one process and refuses to guess in a data-parallel job
+      (see docs/distributed.md).
 
         >>> import torch, fxgrad
         >>> model = torch.compile(torch.nn.Linear(3, 3),
         ...                       backend=fxgrad.backend(fxgrad.clip_by_norm(1.0)))
     """
-    return Backend(transform, skip=skip, compiler=compiler, strict=strict, keep_code=keep_code, scaler=scaler)
+    return Backend(transform, skip=skip, compiler=compiler, strict=strict, keep_code=keep_code, scaler=scaler,
+                   scope=scope)

@@ -146,16 +146,16 @@ class CoverageCheck:
             message = f"fxgrad: {text}\n{FATAL_ADVICE}{rnn_hint(layers)}"
             if self.strict:
                 raise CoverageError(message)
-            self._warn(message)
+            self.warn(message)
         for gap in gaps:
             if not gap.fatal:
-                self._warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
+                self.warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
         targeted = {name for route in self.transform.routes(frozen) for name in route.names}
         frozen_targeted = [layer for layer in frozen if layer.name in targeted]
         if frozen_targeted:
             names = ", ".join(layer.name for layer in frozen_targeted[:20])
             more = f" and {len(frozen_targeted) - 20} more" if len(frozen_targeted) > 20 else ""
-            self._warn(
+            self.warn(
                 f"fxgrad: {len(frozen_targeted)} layers the policy targets are frozen "
                 f"(requires_grad=False) and get no gradient: {names}{more}"
             )
@@ -171,9 +171,10 @@ class CoverageCheck:
         )
         if self.strict and any(route.leaf.scope == "group" for route in self.transform.routes(layers)):
             raise CoverageError(message)
-        self._warn(message)
+        self.warn(message)
 
-    def _warn(self, message: str) -> None:
+    def warn(self, message: str) -> None:
+        """Warn once per message with :class:`CoverageWarning`."""
         if message not in self._reported:
             self._reported.add(message)
             warnings.warn(message, CoverageWarning, stacklevel=4)

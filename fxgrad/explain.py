@@ -108,7 +108,7 @@ def explain(model: nn.Module, *args: Any, backend: Backend, **kwargs: Any) -> Re
         raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
     probe = Backend(
         backend.transform, skip=backend.skip, compiler=backend.compiler, strict=False, keep_code=True,
-        scaler=backend.scaler,
+        scaler=backend.scaler, scope=backend.scope,
     )
     with _restored(model), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CoverageWarning)

@@ -19,6 +19,7 @@ import math
 from typing import Iterable, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 Factor = torch.Tensor | float
 
@@ -68,7 +69,7 @@ class NormStats:
 
     @classmethod
     def of(cls, grads: Sequence[torch.Tensor], orders: Iterable[float]) -> NormStats:
-        return cls({p: power_sum(grads, p) for p in orders})
+        return cls({p: replicated(power_sum(grads, p)) for p in orders})
 
     def norm(self, p: float) -> torch.Tensor:
         if p not in self._norms:
@@ -105,4 +106,17 @@ def clip_coefficient_tensor(norm: torch.Tensor, max_norm: torch.Tensor) -> torch
 
 def scaled(tensors: Sequence[torch.Tensor], factor: Factor) -> list[torch.Tensor]:
     """``t * factor`` for each tensor, computed in float32 and cast back."""
-    return [(t.to(accumulation_dtype(t)) * factor).to(t.dtype) for t in tensors]
+    return [(t.to(accumulation_dtype(t)) * like(t, factor)).to(t.dtype) for t in tensors]
+
+
+def replicated(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: a DTensor's reduction (partial over shards) is all-reduced first."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def like(tensor: torch.Tensor, factor: Factor) -> Factor:
+    """``factor`` in a form that multiplies ``tensor`` (replicated when it is a DTensor)."""
+    if isinstance(tensor, DTensor) and isinstance(factor, torch.Tensor) and not isinstance(factor, DTensor):
+        mesh = tensor.device_mesh
+        return DTensor.from_local(factor, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return factor

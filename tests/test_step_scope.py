@@ -1,0 +1,118 @@
+"""scope="step": the policy on .grad once per optimizer step (accumulation, graph breaks)."""
+
+import copy
+
+import pytest
+import torch
+
+import fxgrad
+import models
+import reference as ref
+from parity import assert_grads_close
+from test_coverage import BrokenMLP
+
+POLICIES = {
+    "global_clip": (fxgrad.clip_by_global_norm(1e-3), lambda m: ref.clip_global(m, 1e-3)),
+    "per_layer_clip": (fxgrad.clip_by_norm(1e-3), lambda m: ref.clip_per_layer(m, 1e-3)),
+    "rescale": (fxgrad.rescale(alpha=0.5), lambda m: ref.rescale(m, 0.5)),
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_accumulating_four_micro_batches_equals_eager(policy):
+    transform, reference = POLICIES[policy]
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(transform, compiler="aot_eager", scope="step")
+    compiled = backend.compile(model)
+    micro_batches = [torch.randn(4, 16) for _ in range(4)]
+    for x in micro_batches:
+        models.loss_of(compiled(x)).backward()
+    backend.step()
+    for x in micro_batches:
+        models.loss_of(eager(x)).backward()
+    reference(eager)
+    assert_grads_close(model, eager)
+
+
+def test_global_clip_across_a_graph_break():
+    torch.manual_seed(0)
+    model = BrokenMLP()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    x = torch.randn(5, 8)
+    models.loss_of(backend.compile(model)(x)).backward()
+    assert len(backend.graphs) == 2
+    backend.step()
+    models.loss_of(eager(x)).backward()
+    ref.clip_global(eager, 1e-3)
+    assert_grads_close(model, eager)
+    assert backend.stats()["grad_norm/total_clipped"].item() == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_state_advances_once_per_optimizer_step():
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.autoclip(history=5), compiler="aot_eager", scope="step")
+    compiled = backend.compile(model)
+    reference = ref.AutoClip(90, 5, 0.1)
+    for _ in range(6):
+        model.zero_grad()
+        eager.zero_grad()
+        batches = [torch.randn(4, 16) for _ in range(3)]
+        for x in batches:
+            models.loss_of(compiled(x)).backward()
+            models.loss_of(eager(x)).backward()
+        backend.step()
+        reference.step(eager)
+        assert_grads_close(model, eager)
+    assert backend.state_dict()["0.autoclip/count"].item() == 6
+
+
+def test_step_works_without_compiling():
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.chain(fxgrad.monitor(), fxgrad.clip_by_norm(1e-3)), scope="step")
+    x = torch.randn(4, 16)
+    models.loss_of(model(x)).backward()
+    backend.step(model)
+    models.loss_of(eager(x)).backward()
+    ref.clip_per_layer(eager, 1e-3)
+    assert_grads_close(model, eager)
+    assert "grad_norm/net.0" in backend.stats()
+
+
+def test_step_scope_with_grad_scaler():
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in (model, eager)]
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step",
+                             scaler=scalers[0])
+    x = torch.randn(8, 16)
+    scalers[0].scale(models.loss_of(backend.compile(model)(x))).backward()
+    backend.step()  # before unscale_: it reads the scale and clips in unscaled units
+    scalers[0].unscale_(optimizers[0])
+    scalers[1].scale(models.loss_of(eager(x))).backward()
+    scalers[1].unscale_(optimizers[1])
+    ref.clip_global(eager, 1e-3)
+    assert_grads_close(model, eager)
+
+
+def test_step_needs_step_scope():
+    with pytest.raises(RuntimeError, match="scope='step'"):
+        fxgrad.backend(fxgrad.clip_by_norm(1.0)).step(models.MLP())
+    with pytest.raises(ValueError, match="scope"):
+        fxgrad.backend(scope="optimizer")
+
+
+def test_accumulating_under_graph_scope_is_flagged():
+    model = models.MLP()
+    compiled = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager").compile(model)
+    models.loss_of(compiled(torch.randn(4, 16))).backward()
+    with pytest.warns(fxgrad.CoverageWarning, match="scope='step'"):
+        compiled(torch.randn(4, 16))
