@@ -1,0 +1,124 @@
+"""Checks that run inside 2 CPU processes (gloo); launched by test_distributed.py.
+
+Each rank trains on its half of a batch; the reference is one process on the
+whole batch (DDP and FSDP2 average gradients, and the loss is a mean, so the
+whole-batch gradient is what the ranks should agree on).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fxgrad
+import reference as ref
+from parity import assert_grads_close
+
+BATCH = 8
+
+
+def setup(rank: int, world: int, port: int) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+
+
+def model_and_data():
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                          nn.Linear(32, 4))
+    x = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(1))
+    return model, x
+
+
+def half(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    size = x.shape[0] // world
+    return x[rank * size:(rank + 1) * size]
+
+
+def loss(out: torch.Tensor) -> torch.Tensor:
+    return (out.float() ** 2).mean()
+
+
+POLICIES = {
+    "global_clip": (lambda: fxgrad.clip_by_global_norm(1e-3), lambda m: ref.clip_global(m, 1e-3)),
+    "per_layer_clip": (lambda: fxgrad.clip_by_norm(1e-3), lambda m: ref.clip_per_layer(m, 1e-3)),
+    "rescale": (lambda: fxgrad.rescale(alpha=0.5), lambda m: ref.rescale(m, 0.5)),
+}
+
+
+def ddp_exact(rank: int, world: int, port: int, policy: str) -> None:
+    """scope="step" after DDP's all-reduce equals one process on the whole batch."""
+    setup(rank, world, port)
+    make, reference = POLICIES[policy]
+    model, x = model_and_data()
+    whole = copy.deepcopy(model)
+    backend = fxgrad.backend(make(), compiler="aot_eager", scope="step")
+    ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
+    loss(ddp(half(x, rank, world))).backward()
+    backend.step()
+    loss(whole(x)).backward()
+    reference(whole)
+    assert_grads_close(model, whole, rtol=1e-5)
+    dist.destroy_process_group()
+
+
+def ddp_local(rank: int, world: int, port: int) -> None:
+    """scope="graph" under DDP: each rank rescales its own gradient, then DDP averages."""
+    setup(rank, world, port)
+    model, x = model_and_data()
+    parts = []
+    for r in range(world):  # what each rank computes on its own half, then rescales
+        local = copy.deepcopy(model)
+        loss(local(half(x, r, world))).backward()
+        ref.rescale(local, 0.5)
+        parts.append(local)
+    averaged = copy.deepcopy(model)
+    for p, *qs in zip(averaged.parameters(), *[m.parameters() for m in parts]):
+        p.grad = sum(q.grad for q in qs) / world
+    backend = fxgrad.backend(fxgrad.rescale(alpha=0.5), compiler="aot_eager", scope="graph")
+    ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
+    loss(ddp(half(x, rank, world))).backward()
+    assert_grads_close(model, averaged, rtol=1e-5)
+    dist.destroy_process_group()
+
+
+def auto_scope_refuses(rank: int, world: int, port: int) -> None:
+    """The default scope never guesses between exact and local in a data-parallel job."""
+    setup(rank, world, port)
+    model, x = model_and_data()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager")
+    ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
+    try:
+        loss(ddp(half(x, rank, world))).backward()
+    except Exception as error:  # raised inside the lazy backward compile
+        assert "scope='step'" in str(error), error
+    else:
+        raise AssertionError("expected a DataParallelScopeError")
+    dist.destroy_process_group()
+
+
+def fsdp2(rank: int, world: int, port: int, policy: str) -> None:
+    """scope="step" on FSDP2's sharded DTensor gradients: norms over whole layers."""
+    from torch.distributed.fsdp import fully_shard
+
+    setup(rank, world, port)
+    make, reference = POLICIES[policy]
+    model, x = model_and_data()
+    whole = copy.deepcopy(model)
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    backend = fxgrad.backend(make(), scope="step")
+    loss(model(half(x, rank, world))).backward()
+    backend.step(model)
+    loss(whole(x)).backward()
+    reference(whole)
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5 * q.grad.abs().max().item(),
+                                   msg=name)
+    dist.destroy_process_group()

@@ -1,0 +1,38 @@
+"""DDP (exact and local modes) and FSDP2 with 2 CPU processes over gloo."""
+
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+
+import distributed_checks as checks
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(fn, *args) -> None:
+    mp.spawn(fn, args=(2, free_port(), *args), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("policy", ["global_clip", "per_layer_clip", "rescale"])
+def test_ddp_exact_equals_one_process_on_the_whole_batch(policy):
+    launch(checks.ddp_exact, policy)
+
+
+def test_ddp_local_rescales_before_the_all_reduce():
+    launch(checks.ddp_local)
+
+
+def test_default_scope_refuses_to_guess():
+    launch(checks.auto_scope_refuses)
+
+
+@pytest.mark.parametrize("policy", ["global_clip", "per_layer_clip", "rescale"])
+def test_fsdp2_norms_span_the_shards(policy):
+    launch(checks.fsdp2, policy)
