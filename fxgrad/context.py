@@ -21,6 +21,7 @@ import torch
 
 from fxgrad import _compat
 from fxgrad.layers import Layer
+from fxgrad.norms import replicated
 from fxgrad.state import StateStore, flat
 
 Shape = tuple[int, ...]
@@ -134,9 +135,9 @@ class RouteContext:
         """
         params = self._params()
 
-        def read() -> torch.Tensor:
+        def read() -> torch.Tensor:  # FSDP2: whole-layer norms, reduced over the shards
             return torch.stack([
-                torch.linalg.vector_norm(torch.stack(_compat.foreach_norm(layer_params)))
+                replicated(torch.linalg.vector_norm(torch.stack(_compat.foreach_norm(layer_params))))
                 for layer_params in params()
             ])
 

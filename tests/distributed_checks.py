@@ -27,6 +27,12 @@ def setup(rank: int, world: int, port: int) -> None:
     torch.manual_seed(0)
 
 
+def teardown() -> None:
+    """Both ranks finish before rank 0, which owns the rendezvous store, exits."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def model_and_data():
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
                           nn.Linear(32, 4))
@@ -47,6 +53,10 @@ POLICIES = {
     "global_clip": (lambda: fxgrad.clip_by_global_norm(1e-3), lambda m: ref.clip_global(m, 1e-3)),
     "per_layer_clip": (lambda: fxgrad.clip_by_norm(1e-3), lambda m: ref.clip_per_layer(m, 1e-3)),
     "rescale": (lambda: fxgrad.rescale(alpha=0.5), lambda m: ref.rescale(m, 0.5)),
+    "linf_normalize": (lambda: fxgrad.normalize("linf"), lambda m: ref.normalize(m, "linf")),
+    "sinkhorn": (lambda: fxgrad.sinkhorn(iters=3), lambda m: ref.sinkhorn(m, 3)),
+    "agc": (lambda: fxgrad.adaptive_grad_clip(1e-3), lambda m: ref.agc(m, 1e-3)),
+    "trust_ratio": (lambda: fxgrad.scale_by_trust_ratio(), lambda m: ref.trust_ratio(m)),
 }
 
 
@@ -63,7 +73,7 @@ def ddp_exact(rank: int, world: int, port: int, policy: str) -> None:
     loss(whole(x)).backward()
     reference(whole)
     assert_grads_close(model, whole, rtol=1e-5)
-    dist.destroy_process_group()
+    teardown()
 
 
 def ddp_local(rank: int, world: int, port: int) -> None:
@@ -83,7 +93,7 @@ def ddp_local(rank: int, world: int, port: int) -> None:
     ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
     loss(ddp(half(x, rank, world))).backward()
     assert_grads_close(model, averaged, rtol=1e-5)
-    dist.destroy_process_group()
+    teardown()
 
 
 def auto_scope_refuses(rank: int, world: int, port: int) -> None:
@@ -98,7 +108,7 @@ def auto_scope_refuses(rank: int, world: int, port: int) -> None:
         assert "scope='step'" in str(error), error
     else:
         raise AssertionError("expected a DataParallelScopeError")
-    dist.destroy_process_group()
+    teardown()
 
 
 def fsdp2(rank: int, world: int, port: int, policy: str) -> None:
@@ -121,4 +131,4 @@ def fsdp2(rank: int, world: int, port: int, policy: str) -> None:
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5 * q.grad.abs().max().item(),
                                    msg=name)
-    dist.destroy_process_group()
+    teardown()

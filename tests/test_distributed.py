@@ -1,6 +1,7 @@
 """DDP (exact and local modes) and FSDP2 with 2 CPU processes over gloo."""
 
 import socket
+import time
 
 import pytest
 import torch.multiprocessing as mp
@@ -16,8 +17,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(fn, *args) -> None:
-    mp.spawn(fn, args=(2, free_port(), *args), nprocs=2, join=True)
+def launch(fn, *args, timeout: float = 240.0) -> None:
+    """Run ``fn(rank, 2, port, *args)`` in 2 processes; a hang fails instead of blocking CI."""
+    context = mp.spawn(fn, args=(2, free_port(), *args), nprocs=2, join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{fn.__name__}{args} did not finish in {timeout:.0f} s")
 
 
 @pytest.mark.parametrize("policy", ["global_clip", "per_layer_clip", "rescale"])
@@ -33,6 +41,6 @@ def test_default_scope_refuses_to_guess():
     launch(checks.auto_scope_refuses)
 
 
-@pytest.mark.parametrize("policy", ["global_clip", "per_layer_clip", "rescale"])
+@pytest.mark.parametrize("policy", list(checks.POLICIES))
 def test_fsdp2_norms_span_the_shards(policy):
     launch(checks.fsdp2, policy)
