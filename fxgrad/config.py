@@ -54,12 +54,12 @@ FACTORIES = {
     "balance_norms": weights.balance_norms,
 }
 ROUTERS = {"by_type": compose.by_type, "by_name": compose.by_name}
-BACKEND_KEYS = {"transform", "skip", "compiler", "strict"}
+BACKEND_KEYS = {"transform", "skip", "compiler", "strict", "scope"}
 CONFIG_ENV = "FXGRAD_CONFIG"
 
 
 def from_config(spec: Mapping[str, Any]) -> Backend:
-    """A :class:`fxgrad.Backend` from ``{"transform": ..., "skip": [...], "compiler": ..., "strict": ...}``.
+    """A :class:`fxgrad.Backend` from ``{"transform": ..., "skip": [...], "compiler": ..., "strict": ..., "scope": ...}``.
 
     ``{"config": "policy.json"}`` loads the spec from a JSON file.
     """
@@ -70,7 +70,7 @@ def from_config(spec: Mapping[str, Any]) -> Backend:
     unknown = set(spec) - BACKEND_KEYS
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {sorted(BACKEND_KEYS)}")
-    kwargs: dict[str, Any] = {key: spec[key] for key in ("compiler", "strict") if key in spec}
+    kwargs: dict[str, Any] = {key: spec[key] for key in ("compiler", "strict", "scope") if key in spec}
     if "skip" in spec:
         kwargs["skip"] = _skip(spec["skip"])
     transform = spec.get("transform")

@@ -67,9 +67,11 @@ def test_routers_and_skip_in_config():
                                   "default": {"clip_by_norm": {"max_norm": 1.0}}}},
         "skip": ["default", "type:torch.nn.Embedding", "lm_head"],
         "strict": False,
+        "scope": "step",
     })
     assert backend.skip == fxgrad.DEFAULT_SKIP + (nn.Embedding, "lm_head")
     assert not backend.strict
+    assert backend.scope == "step"
     assert repr(backend.transform) == (
         "by_name({'*.q_proj': rescale(alpha=0.3, target='mean')}, default=clip_by_norm(max_norm=1.0))"
     )
