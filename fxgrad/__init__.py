@@ -8,7 +8,7 @@
 """
 
 from fxgrad.adaptive import autoclip, zclip
-from fxgrad.backend import Backend, DataParallelScopeError, backend
+from fxgrad.backend import Backend, backend
 from fxgrad.base import Leaf, Route, Transform
 from fxgrad.compose import by_name, by_type, chain
 from fxgrad.config import from_config
@@ -25,7 +25,6 @@ __all__ = [
     "Backend",
     "CoverageError",
     "CoverageWarning",
-    "DataParallelScopeError",
     "DEFAULT_SKIP",
     "Layer",
     "LayerDecision",

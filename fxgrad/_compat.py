@@ -26,6 +26,8 @@ __all__ = [
     "TorchDispatchMode",
     "outside_dispatch_modes",
     "grad_scaler_scale",
+    "grad_scaler_unscaled",
+    "tensor_version",
     "foreach_norm",
     "data_parallel_world_size",
     "aot_eager_compile",
@@ -172,6 +174,18 @@ def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:
     changes it in place.
     """
     return scaler._scale
+
+
+def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` already ran in this iteration."""
+    from torch.amp.grad_scaler import OptState
+
+    return scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.READY
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The in-place modification counter of ``tensor`` (bumped by ``add_``, ``copy_``, ...)."""
+    return tensor._version
 
 
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -29,14 +29,14 @@ import passes
 from fxgrad import _compat
 from fxgrad.base import Transform
 from fxgrad.capture import CapturedGraph, capture
-from fxgrad.coverage import CoverageCheck, CoverageError
+from fxgrad.coverage import CoverageCheck
 from fxgrad.graphtext import normalize_code, render_inserted
 from fxgrad.layers import DEFAULT_SKIP, SkipEntry, validate_skip
 from fxgrad.plan import plan_graph
 from fxgrad.registry import GraphRegistry
 from fxgrad.rewrite import rewrite_backward
 from fxgrad.state import StateStore
-from fxgrad.step import apply_to_grads
+from fxgrad.step import StepScope, apply_to_grads
 
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
 SCOPES = ("auto", "graph", "step")
@@ -81,9 +81,20 @@ class Backend:
         self.scope = scope
         self.store = StateStore()
         self.registry = GraphRegistry()
-        self._models: list[weakref.ref] = []  # models given to compile(), for step()
+        self._models: list[weakref.ref] = []  # models given to compile() or step()
         in_graph = transform is not None and scope != "step"
         self._coverage = CoverageCheck(transform, self.skip, strict) if in_graph else None
+        self._step = None  # runs the policy on .grad in step scope
+        if transform is not None:
+            self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler)
+            if scope == "step":
+                self._step.arm()
+
+    def current_scope(self) -> str:
+        """``"graph"`` or ``"step"``: what ``scope="auto"`` resolves to in this process."""
+        if self.scope != "auto":
+            return self.scope
+        return "step" if _compat.data_parallel_world_size() > 1 else "graph"
 
     @property
     def graphs(self) -> list[CapturedGraph]:
@@ -141,13 +152,13 @@ class Backend:
         handle = None
 
         def check(module: nn.Module, args: Any) -> None:
-            if first.grad is not None:
+            if first.grad is not None and self.current_scope() == "graph":
                 handle.remove()
                 self._coverage.warn(
                     "fxgrad: a forward started while .grad still held a gradient. If you accumulate "
                     "gradients over micro-batches, scope='graph' transforms each micro-batch's gradient, "
-                    "not their sum: use fxgrad.backend(..., scope='step') and call backend.step() once "
-                    "per optimizer step. (zero_grad() before each forward silences this.)"
+                    "not their sum: use fxgrad.backend(..., scope='step'), which applies the policy once, "
+                    "at optimizer.step(). (zero_grad() before each forward silences this.)"
                 )
 
         handle = compiled.register_forward_pre_hook(check)
@@ -156,20 +167,14 @@ class Backend:
         outputs = passes.gradient_outputs(gm, graph.num_inputs)
         has_grad = {i for i, node in enumerate(outputs) if node is not None}
         plan = plan_graph(self.transform, graph, has_grad, self.registry.forward_order(), self.skip)
+        graph.layers = list(plan.layers)
+        if self.transform is None:
+            return
+        if self.current_scope() == "step":  # "auto" in a data-parallel job: the policy runs on .grad
+            self._step.arm()
+            return
         if self._coverage is not None:
             self._coverage.graph(self.registry, graph, plan, has_grad)
-        graph.layers = list(plan.layers)
-        if self.scope == "step" or self.transform is None:  # step(): the policy runs on .grad
-            return
-        world = _compat.data_parallel_world_size()
-        if self.scope == "auto" and world > 1:
-            raise DataParallelScopeError(
-                f"fxgrad: this is a data-parallel job ({world} processes). Inside the backward graph a "
-                "transform sees this process's local gradient, before DDP/FSDP average it. Choose:\n"
-                "  scope='step'  exact: the backward is left alone; call backend.step() after backward()\n"
-                "                (DDP has all-reduced by then) to transform the averaged gradient;\n"
-                "  scope='graph' local: each process transforms its own gradient before the all-reduce."
-            )
         graph.routes = plan.active_routes()
         if self.keep_code:
             graph.backward_before = normalize_code(gm.code)
@@ -189,27 +194,35 @@ class Backend:
         )
 
     def step(self, model: nn.Module | None = None) -> None:
-        """Apply the policy to the current ``.grad`` (``scope="step"`` backends).
+        """Apply the policy to the current ``.grad`` (step scope), once per optimizer step.
 
-        Call it once per optimizer step, after the last ``backward()`` (and
-        after DDP has reduced the gradients, which it does inside
-        ``backward()``). ``model`` defaults to every model this backend
-        compiled. No host sync; see :mod:`fxgrad.step`.
+        Call it after the last ``backward()`` of the step (DDP has averaged the
+        gradients by then) and, with a ``GradScaler``, before
+        ``scaler.unscale_``. Optional when a ``torch.optim`` optimizer steps the
+        model: ``optimizer.step()`` runs it if it has not run on these gradients.
+        ``model`` defaults to every model this backend compiled or stepped
+        before. No host sync; see :mod:`fxgrad.step`.
         """
-        if self.scope != "step":
+        if self.current_scope() != "step":
             raise RuntimeError("step() needs fxgrad.backend(..., scope='step'); this backend rewrites "
                                "the backward graphs instead")
-        if self.transform is None:
+        if self._step is None:
             return
-        if model is not None:
-            models = [(model, "")]
-        else:
-            models = [(ref(), "") for ref in self._models if ref() is not None]
-            models += [(root.module(), root.prefix) for root in self.registry.roots.values()
-                       if root.module() is not None]
+        if model is not None and all(ref() is not model for ref in self._models):
+            self._models.append(weakref.ref(model))  # later optimizer steps find it too
+        models = [(model, "")] if model is not None else self._step_models()
         if not models:
             raise RuntimeError("step() has no model: pass step(model), or compile one with this backend first")
-        apply_to_grads(self.transform, models, self.skip, self.store, self.scaler, self.registry.forward_order())
+        self._step.arm()
+        self._step.apply(models, self.scaler)
+
+    def _step_models(self) -> list[tuple[nn.Module, str]]:
+        models = [(ref(), "") for ref in self._models if ref() is not None]
+        return models + [(root.module(), root.prefix) for root in self.registry.roots.values()
+                         if root.module() is not None]
+
+    def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any) -> None:
+        apply_to_grads(self.transform, models, self.skip, self.store, scaler, self.registry.forward_order())
 
     # ------------------------------------------------------------ state
 
@@ -245,9 +258,6 @@ class Backend:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore :meth:`state_dict` (before or after the first compile)."""
         self.store.load_state_dict(state)
-
-class DataParallelScopeError(CoverageError):
-    """A data-parallel job must choose between exact and local semantics."""
 
 
 def _check_scaler(scaler: Any, transform: Transform | None) -> Any:
@@ -294,11 +304,11 @@ def backend(
       every step) and leave Inf/NaN for the scaler to find.
     * ``scope``: ``"graph"`` rewrites each backward graph (fused into the
       backward kernels); ``"step"`` leaves the backward alone and applies the
-      policy in :meth:`Backend.step`, once per optimizer step, to ``.grad``:
-      for gradient accumulation, DDP's all-reduced gradients, FSDP2, and
-      global transforms across graph breaks. ``"auto"`` (default) is
-      ``"graph"`` in one process and refuses to guess in a data-parallel job
-      (see docs/distributed.md).
+      policy to ``.grad`` once per optimizer step (at ``optimizer.step()``, or
+      earlier with :meth:`Backend.step`): for gradient accumulation, DDP's
+      all-reduced gradients, FSDP2, and global transforms across graph
+      breaks. ``"auto"`` (default) is ``"graph"`` in one process and
+      ``"step"`` (exact) in a data-parallel job (see docs/distributed.md).
 
         >>> import torch, fxgrad
         >>> model = torch.compile(torch.nn.Linear(3, 3),

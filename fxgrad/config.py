@@ -59,7 +59,9 @@ CONFIG_ENV = "FXGRAD_CONFIG"
 
 
 def from_config(spec: Mapping[str, Any]) -> Backend:
-    """A :class:`fxgrad.Backend` from ``{"transform": ..., "skip": [...], "compiler": ..., "strict": ..., "scope": ...}``.
+    """A :class:`fxgrad.Backend` from a dict with the keys of :func:`fxgrad.backend`.
+
+    ``{"transform": ..., "skip": [...], "compiler": ..., "strict": ..., "scope": ...}``.
 
     ``{"config": "policy.json"}`` loads the spec from a JSON file.
     """

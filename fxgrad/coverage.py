@@ -114,8 +114,8 @@ def rnn_hint(layers: Sequence[Layer]) -> str:
 
 FATAL_ADVICE = (
     "Each compiled graph has its own backward, so a norm taken in one graph is not "
-    "the norm over the model. Use fxgrad.backend(..., scope='step') and call backend.step() "
-    "after backward() to transform every gradient at once, remove the graph break "
+    "the norm over the model. Use fxgrad.backend(..., scope='step') to transform every "
+    "gradient at once at optimizer.step() (or backend.step()), remove the graph break "
     "(torch._dynamo.explain(model)(*args) lists them), freeze parameters the forward does not "
     "use (requires_grad_(False)), or pass strict=False to apply the transform per graph anyway."
 )

@@ -16,15 +16,24 @@ optimizer step instead::
 The same plain-torch rules run eagerly on the real gradients, state and
 statistics included; nothing syncs with the host. FSDP2's DTensor gradients
 work: norms are reduced over the shards (DTensor all-reduces the partial sums).
+
+``backend.step()`` is optional when a ``torch.optim`` optimizer steps the
+model: :class:`StepScope` hooks ``optimizer.step()`` and runs the policy there
+if the gradients changed since the last ``backend.step()`` (it never runs
+twice on the same gradients). Call it yourself when something must see the
+transformed gradients before the optimizer does.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from fxgrad import _compat
 from fxgrad.base import Transform
 from fxgrad.context import GraphContext
 from fxgrad.execute import Executor
@@ -68,3 +77,69 @@ def apply_to_grads(
             for param, grad in zip(ps, grads[layer]):
                 if grad is not param.grad:
                     param.grad.copy_(grad)
+
+
+Models = Callable[[], list[tuple[nn.Module, str]]]
+
+
+class StepScope:
+    """Runs a backend's policy on ``.grad``, once per set of gradients.
+
+    ``models()`` lists ``(model, layer prefix)`` pairs; ``run(models, scaler)``
+    applies the policy. After :meth:`arm`, a global ``optimizer.step()``
+    pre-hook runs it for optimizers that step these models' parameters, unless
+    :meth:`apply` already ran on the current gradients.
+    """
+
+    def __init__(self, models: Models, run: Callable[[list, Any], None], scaler: Any) -> None:
+        self.models, self.run, self.scaler = models, run, scaler
+        self._seen: dict[int, tuple[weakref.ref, int]] = {}
+        self._armed = False
+
+    def arm(self) -> None:
+        """Hook ``optimizer.step()`` (once; removed when this object dies)."""
+        if not self._armed:
+            self._armed = True
+            handle = register_optimizer_step_pre_hook(_optimizer_hook(weakref.ref(self)))
+            weakref.finalize(self, handle.remove)
+
+    def apply(self, models: list[tuple[nn.Module, str]], scaler: Any) -> None:
+        self.run(models, scaler)
+        self._seen = {id(p): (weakref.ref(p.grad), _compat.tensor_version(p.grad))
+                      for p in _parameters(models) if p.grad is not None}
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        models = self.models()
+        ours = {id(p): p for p in _parameters(models)}
+        stepped = [p for group in optimizer.param_groups for p in group["params"] if id(p) in ours]
+        if not stepped or not self._changed(ours.values()):
+            return
+        unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
+        self.apply(models, None if unscaled else self.scaler)
+
+    def _changed(self, params: Iterable[nn.Parameter]) -> bool:
+        for p in params:
+            if p.grad is None:
+                continue
+            ref, version = self._seen.get(id(p), (None, None))
+            if ref is None or ref() is not p.grad or version != _compat.tensor_version(p.grad):
+                return True
+        return False
+
+
+def _optimizer_hook(scope: weakref.ref) -> Callable:
+    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        live = scope()
+        if live is not None:
+            live.before_optimizer_step(optimizer)
+
+    return before_step
+
+
+def _parameters(models: list[tuple[nn.Module, str]]) -> Iterator[nn.Parameter]:
+    seen = set()
+    for model, _ in models:
+        for p in model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield p

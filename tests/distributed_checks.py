@@ -96,18 +96,25 @@ def ddp_local(rank: int, world: int, port: int) -> None:
     teardown()
 
 
-def auto_scope_refuses(rank: int, world: int, port: int) -> None:
-    """The default scope never guesses between exact and local in a data-parallel job."""
+def auto_scope_is_exact(rank: int, world: int, port: int) -> None:
+    """The default scope in a data-parallel job is exact, applied at optimizer.step(),
+    here after 2 accumulated micro-batches (no_sync on the first)."""
     setup(rank, world, port)
     model, x = model_and_data()
-    backend = fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager")
+    whole = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
     ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
-    try:
-        loss(ddp(half(x, rank, world))).backward()
-    except Exception as error:  # raised inside the lazy backward compile
-        assert "scope='step'" in str(error), error
-    else:
-        raise AssertionError("expected a DataParallelScopeError")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the gradients stay visible
+    micro_batches = half(x, rank, world).chunk(2)
+    with ddp.no_sync():
+        loss(ddp(micro_batches[0])).backward()
+    loss(ddp(micro_batches[1])).backward()
+    optimizer.step()
+    assert backend.current_scope() == "step" and not any(graph.routes for graph in backend.graphs)
+    for k in range(2):  # micro-batch k of every rank, as one batch
+        loss(whole(torch.cat([half(x, r, world).chunk(2)[k] for r in range(world)]))).backward()
+    ref.clip_global(whole, 1e-3)
+    assert_grads_close(model, whole, rtol=1e-5)
     teardown()
 
 
@@ -126,6 +133,7 @@ def fsdp2(rank: int, world: int, port: int, policy: str) -> None:
     backend = fxgrad.backend(make(), scope="step")
     loss(model(half(x, rank, world))).backward()
     backend.step(model)
+    torch.optim.SGD(model.parameters(), lr=0.0).step()  # already applied: not again
     loss(whole(x)).backward()
     reference(whole)
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):

@@ -37,8 +37,8 @@ def test_ddp_local_rescales_before_the_all_reduce():
     launch(checks.ddp_local)
 
 
-def test_default_scope_refuses_to_guess():
-    launch(checks.auto_scope_refuses)
+def test_default_scope_is_exact_under_ddp():
+    launch(checks.auto_scope_is_exact)
 
 
 @pytest.mark.parametrize("policy", list(checks.POLICIES))

@@ -83,6 +83,13 @@ def test_step_works_without_compiling():
     ref.clip_per_layer(eager, 1e-3)
     assert_grads_close(model, eager)
     assert "grad_norm/net.0" in backend.stats()
+    model.zero_grad()
+    eager.zero_grad()
+    models.loss_of(model(x)).backward()  # the next step: optimizer.step() finds the model
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    models.loss_of(eager(x)).backward()
+    ref.clip_per_layer(eager, 1e-3)
+    assert_grads_close(model, eager)
 
 
 def test_step_scope_with_grad_scaler():
@@ -101,6 +108,53 @@ def test_step_scope_with_grad_scaler():
     scalers[1].unscale_(optimizers[1])
     ref.clip_global(eager, 1e-3)
     assert_grads_close(model, eager)
+
+
+def test_optimizer_step_applies_the_policy_once():
+    """Without backend.step(), optimizer.step() applies it; after it, not again."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    compiled = backend.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for x in [torch.randn(4, 16) for _ in range(4)]:
+        models.loss_of(compiled(x)).backward()
+        models.loss_of(eager(x)).backward()
+    optimizer.step()
+    ref.clip_global(eager, 1e-3)
+    assert_grads_close(model, eager)
+    backend.step()  # explicit, then the optimizer: one application, not two
+    ref.clip_global(eager, 1e-3)
+    optimizer.step()
+    assert_grads_close(model, eager)
+    assert backend.stats()["grad_norm/total"].item() == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_optimizer_step_after_grad_scaler_unscale():
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step", scaler=scaler)
+    x = torch.randn(8, 16)
+    scaler.scale(models.loss_of(backend.compile(model)(x))).backward()
+    scaler.step(optimizer)  # unscale_, then optimizer.step(): the policy sees unscaled values
+    models.loss_of(eager(x)).backward()
+    ref.clip_global(eager, 1e-3)
+    assert_grads_close(model, eager)
+
+
+def test_other_optimizers_are_left_alone():
+    model, other = models.MLP(), models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager", scope="step")
+    backend.compile(model)(torch.randn(2, 16)).sum().backward()
+    other(torch.randn(2, 16)).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    torch.optim.SGD(other.parameters(), lr=0.0).step()
+    for p, grad in zip(model.parameters(), before):
+        torch.testing.assert_close(p.grad, grad, rtol=0, atol=0)
 
 
 def test_step_needs_step_scope():
