@@ -30,6 +30,7 @@ __all__ = [
     "tensor_version",
     "foreach_norm",
     "data_parallel_world_size",
+    "compiled_autograd_requested",
     "aot_eager_compile",
     "autograd_cache_bypassed",
     "compile_id",
@@ -165,6 +166,14 @@ def rnn_capture_enabled() -> bool:
 def dynamo_config() -> Any:
     """``torch._dynamo.config``, for the settings fxgrad documents."""
     return torch._dynamo.config
+
+
+def compiled_autograd_requested() -> bool:
+    """Whether a backward may run under compiled autograd: its context is active now, or
+    ``torch._dynamo.config.compiled_autograd`` asks for it in compiled functions."""
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd.compiled_autograd_enabled or torch._dynamo.config.compiled_autograd
 
 
 def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:

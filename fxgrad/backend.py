@@ -110,6 +110,8 @@ class Backend:
     # ------------------------------------------------------------ compiling
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        if self._coverage is not None and self.current_scope() == "graph":
+            self._coverage.compiled_autograd()
         graph = capture(gm, example_inputs, self.registry.roots)
         self.registry.add(graph)
         rewrite = functools.partial(self._rewrite_backward, graph)

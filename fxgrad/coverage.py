@@ -121,6 +121,14 @@ FATAL_ADVICE = (
 )
 
 
+COMPILED_AUTOGRAD = (
+    "fxgrad: compiled autograd is on. It retraces AOTAutograd's original backward graphs, so "
+    "fxgrad's rewrite of them would not run and the policy {transform!r} would do nothing. Use "
+    "fxgrad.backend(..., scope='step'), which applies the policy to .grad at optimizer.step(), "
+    "or turn compiled autograd off."
+)
+
+
 class CoverageCheck:
     """Checks each backward graph of one backend and reports each finding once."""
 
@@ -173,6 +181,11 @@ class CoverageCheck:
         if self.strict and any(route.leaf.scope == "group" for route in self.transform.routes(layers)):
             raise CoverageError(message)
         self.warn(message)
+
+    def compiled_autograd(self) -> None:
+        """Refuse to rewrite backward graphs that compiled autograd would bypass."""
+        if _compat.compiled_autograd_requested():
+            raise CoverageError(COMPILED_AUTOGRAD.format(transform=self.transform))
 
     def warn(self, message: str) -> None:
         """Warn once per message with :class:`CoverageWarning`."""
