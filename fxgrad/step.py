@@ -111,8 +111,8 @@ class StepScope:
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         models = self.models()
         ours = {id(p): p for p in _parameters(models)}
-        stepped = [p for group in optimizer.param_groups for p in group["params"] if id(p) in ours]
-        if not stepped or not self._changed(ours.values()):
+        steps_ours = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
+        if not steps_ours or not self._changed(ours.values()):
             return
         unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
         self.apply(models, None if unscaled else self.scaler)
