@@ -23,6 +23,7 @@ from fxgrad.backend import Backend
 from fxgrad.capture import CapturedGraph
 from fxgrad.coverage import CoverageWarning
 from fxgrad.layers import parameter_owners, skip_reason
+from fxgrad.step import step_routes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +116,11 @@ def explain(model: nn.Module, *args: Any, backend: Backend, **kwargs: Any) -> Re
         compiled = probe.compile(model)
         loss = _loss_of(compiled(*args, **kwargs))
         loss.backward()
+        step_scope = None
+        if probe.transform is not None and probe.current_scope() == "step":
+            step_scope = step_routes(probe.transform, [(model, "")], probe.skip, probe.registry.forward_order())[1]
     messages = [str(w.message) for w in caught if issubclass(w.category, CoverageWarning)]
-    return Report(backend, _decisions(model, probe), probe.graphs, loss.detach(), messages)
+    return Report(backend, _decisions(model, probe, step_scope), probe.graphs, loss.detach(), messages)
 
 
 @dataclasses.dataclass
@@ -127,20 +131,23 @@ class _LayerInfo:
     module_type: type | None = None
 
 
-def _decisions(model: nn.Module, probe: Backend) -> list[LayerDecision]:
+def _decisions(model: nn.Module, probe: Backend, step_scope: list | None) -> list[LayerDecision]:
+    """Per layer, what happens; ``step_scope`` holds the routes ``.grad`` gets in step scope."""
     layers: dict[str, _LayerInfo] = {}
     for owner in parameter_owners(model).values():
         info = layers.setdefault(owner.layer, _LayerInfo(type(owner.module).__name__, module_type=type(owner.module)))
         info.numel += owner.tensor.numel()
         info.trainable |= owner.tensor.requires_grad
     actions: dict[str, list[str]] = {}
-    seen: set[str] = set()
+    seen: set[str] = set(layers) if step_scope is not None else set()  # step scope sees every .grad
+    routes = [route for _, route in step_scope] if step_scope is not None else [
+        route for graph in probe.graphs for route in graph.routes]
     for graph in probe.graphs:
         seen |= {layer.name for layer in graph.layers}
-        for route in graph.routes:
-            for name in route.names:
-                if repr(route.leaf) not in actions.setdefault(name, []):
-                    actions[name].append(repr(route.leaf))
+    for route in routes:
+        for name in route.names:
+            if repr(route.leaf) not in actions.setdefault(name, []):
+                actions[name].append(repr(route.leaf))
     rows = []
     for name, info in layers.items():
         reason = skip_reason(name, info.module_type, probe.skip)
@@ -149,7 +156,7 @@ def _decisions(model: nn.Module, probe: Backend) -> list[LayerDecision]:
         elif name not in seen:
             action = "not captured: " + _where(probe, name)
         elif name in actions:
-            action = " -> ".join(actions[name])
+            action = " -> ".join(actions[name]) + ("  (on .grad, at optimizer.step)" if step_scope is not None else "")
             if reason:
                 action += f"  (per-layer transforms skip it: {reason})"
         elif reason:

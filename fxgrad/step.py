@@ -34,11 +34,24 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fxgrad import _compat
-from fxgrad.base import Transform
+from fxgrad.base import Route, Transform
 from fxgrad.context import GraphContext
 from fxgrad.execute import Executor
-from fxgrad.layers import ParamRow, SkipEntry, build_layers, parameter_owners
+from fxgrad.layers import Owner, ParamRow, SkipEntry, build_layers, parameter_owners
 from fxgrad.state import StateStore
+
+
+def step_routes(transform: Transform, models: Sequence[tuple[nn.Module, str]], skip: Sequence[SkipEntry],
+                order: Sequence[str] = ()) -> tuple[list[Owner], list[tuple[int, Route]]]:
+    """The parameters that have a gradient, and the transform's non-empty routes over them."""
+    owners: dict[int, Owner] = {}
+    for model, prefix in models:
+        for key, owner in parameter_owners(model, prefix).items():
+            owners.setdefault(key, owner)  # a parameter reachable from two models counts once
+    with_grad = [o for o in owners.values() if o.tensor.grad is not None]
+    rows = [ParamRow(o.layer, o.param, type(o.module), o.tensor.numel()) for o in with_grad]
+    layers = build_layers(rows, order or list(dict.fromkeys(o.layer for o in owners.values())), skip)
+    return with_grad, [(i, route) for i, route in enumerate(transform.routes(layers)) if route.layers]
 
 
 def apply_to_grads(
@@ -54,16 +67,9 @@ def apply_to_grads(
     ``models`` pairs each model with its layer-name prefix; ``order`` is the
     forward order of layers (for depth), named-module order when empty.
     """
-    owners = {}
-    for model, prefix in models:
-        for key, owner in parameter_owners(model, prefix).items():
-            owners.setdefault(key, owner)  # a parameter reachable from two models counts once
-    with_grad = [o for o in owners.values() if o.tensor.grad is not None]
+    with_grad, routes = step_routes(transform, models, skip, order)
     if not with_grad:
         return
-    rows = [ParamRow(o.layer, o.param, type(o.module), o.tensor.numel()) for o in with_grad]
-    layers = build_layers(rows, order or list(dict.fromkeys(o.layer for o in owners.values())), skip)
-    routes = [(i, route) for i, route in enumerate(transform.routes(layers)) if route.layers]
     params: dict[str, list[nn.Parameter]] = {}
     for owner in with_grad:
         params.setdefault(owner.layer, []).append(owner.tensor)

@@ -31,6 +31,16 @@ def test_llama_rmsnorm_is_skipped_by_class_name_pattern():
     assert actions["model.layers.0.self_attn.q_proj"] == "rescale(alpha=0.5, target='mean')"
 
 
+def test_step_scope_reports_what_optimizer_step_applies():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    report = fxgrad.explain(model, torch.randn(2, 4), backend=aot(fxgrad.clip_by_norm(1.0), scope="step"))
+    assert [row.action for row in report.layers] == [
+        "clip_by_norm(max_norm=1.0)  (on .grad, at optimizer.step)",
+        "skipped: is a LayerNorm",
+    ]
+    assert report.inserted == ""  # the backward graph is left alone
+
+
 def test_global_clip_covers_skipped_layers_and_says_so():
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     report = fxgrad.explain(model, torch.randn(2, 4), backend=aot(fxgrad.clip_by_global_norm(1.0)))
