@@ -197,7 +197,8 @@ def pass_scaling(sizes) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default="gpt2,resnet,deep_mlp",
+                        help=f"some of {','.join(MODELS)} (gpt2_124m is for bench/gpu.sh)")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
