@@ -25,6 +25,7 @@ import datetime
 import os
 import platform
 import re
+import shlex
 import statistics
 import sys
 import tempfile
@@ -230,7 +231,7 @@ def main() -> None:
     policies = options.policies.split(",")
 
     rows, notes = [], []
-    for model_name in options.models.split(","):
+    for model_name in filter(None, options.models.split(",")):  # --models "": pass time only
         _compat.reset_dynamo()
         cold = {p: first_step_seconds(model_name, p, scale, options.compiler, options.device, options.dtype)
                 for p in [None] + [p for p in options.compile_policies.split(",") if p in policies]}
@@ -242,7 +243,7 @@ def main() -> None:
                      f"{cold[None]:.1f} s without a policy")
         print(markdown(model_rows), flush=True)
 
-    command = "python bench/run.py " + " ".join(sys.argv[1:])
+    command = "python bench/run.py " + shlex.join(sys.argv[1:])
     gpu = torch.cuda.get_device_name() if options.device == "cuda" else None
     text = "\n".join([
         f"# fxgrad benchmark ({'GPU' if gpu else 'CPU'})",
@@ -258,11 +259,7 @@ def main() -> None:
         "fxgrad / plain `torch.compile`",
         "- ratios < 1 mean faster; `extra kernels` counts kernel launches fxgrad adds "
         "to the compiled backward (negative: Inductor fused more)",
-        "",
-        markdown(rows),
-        "",
-        "Baselines:",
-        *notes,
+        *(["", markdown(rows), "", "Baselines:", *notes] if rows else []),
         "",
         *([] if options.no_pass_scaling else [
             "Pass time (fxgrad's rewrite alone, `clip_by_global_norm`, MLP of Linear(8, 8)):",
