@@ -118,19 +118,3 @@ def test_compiled_autograd_is_refused_in_graph_scope():
             backend.compile(model)(torch.randn(2, 16))
         torch._dynamo.reset()
 
-
-def test_step_scope_under_compiled_autograd():
-    from torch._dynamo import compiled_autograd
-
-    torch.manual_seed(0)
-    model = models.MLP()
-    expected = copy.deepcopy(model)
-    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
-    compiled = backend.compile(model)
-    x = torch.randn(8, 16)
-    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
-        models.loss_of(compiled(x)).backward()
-    torch.optim.SGD(model.parameters(), lr=0.0).step()
-    models.loss_of(expected(x)).backward()
-    ref.clip_global(expected, 1e-3)
-    assert_grads_close(model, expected)

@@ -18,12 +18,17 @@ POLICIES = {
 }
 
 
+def mlp_and_copy():
+    """A seeded MLP, and a copy for the eager reference."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    return model, copy.deepcopy(model)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_accumulating_four_micro_batches_equals_eager(policy):
     transform, reference = POLICIES[policy]
-    torch.manual_seed(0)
-    model = models.MLP()
-    eager = copy.deepcopy(model)
+    model, eager = mlp_and_copy()
     backend = fxgrad.backend(transform, compiler="aot_eager", scope="step")
     compiled = backend.compile(model)
     micro_batches = [torch.randn(4, 16) for _ in range(4)]
@@ -52,9 +57,7 @@ def test_global_clip_across_a_graph_break():
 
 
 def test_state_advances_once_per_optimizer_step():
-    torch.manual_seed(0)
-    model = models.MLP()
-    eager = copy.deepcopy(model)
+    model, eager = mlp_and_copy()
     backend = fxgrad.backend(fxgrad.autoclip(history=5), compiler="aot_eager", scope="step")
     compiled = backend.compile(model)
     reference = ref.AutoClip(90, 5, 0.1)
@@ -72,9 +75,7 @@ def test_state_advances_once_per_optimizer_step():
 
 
 def test_step_works_without_compiling():
-    torch.manual_seed(0)
-    model = models.MLP()
-    eager = copy.deepcopy(model)
+    model, eager = mlp_and_copy()
     backend = fxgrad.backend(fxgrad.chain(fxgrad.monitor(), fxgrad.clip_by_norm(1e-3)), scope="step")
     x = torch.randn(4, 16)
     models.loss_of(model(x)).backward()
@@ -93,9 +94,7 @@ def test_step_works_without_compiling():
 
 
 def test_step_scope_with_grad_scaler():
-    torch.manual_seed(0)
-    model = models.MLP()
-    eager = copy.deepcopy(model)
+    model, eager = mlp_and_copy()
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in (model, eager)]
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step",
@@ -112,9 +111,7 @@ def test_step_scope_with_grad_scaler():
 
 def test_optimizer_step_applies_the_policy_once():
     """Without backend.step(), optimizer.step() applies it; after it, not again."""
-    torch.manual_seed(0)
-    model = models.MLP()
-    eager = copy.deepcopy(model)
+    model, eager = mlp_and_copy()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
     compiled = backend.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -132,9 +129,7 @@ def test_optimizer_step_applies_the_policy_once():
 
 
 def test_optimizer_step_after_grad_scaler_unscale():
-    torch.manual_seed(0)
-    model = models.MLP()
-    eager = copy.deepcopy(model)
+    model, eager = mlp_and_copy()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step", scaler=scaler)
@@ -155,6 +150,20 @@ def test_other_optimizers_are_left_alone():
     torch.optim.SGD(other.parameters(), lr=0.0).step()
     for p, grad in zip(model.parameters(), before):
         torch.testing.assert_close(p.grad, grad, rtol=0, atol=0)
+
+
+def test_step_scope_under_compiled_autograd():
+    from torch._dynamo import compiled_autograd
+
+    model, eager = mlp_and_copy()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    x = torch.randn(8, 16)
+    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        models.loss_of(backend.compile(model)(x)).backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    models.loss_of(eager(x)).backward()
+    ref.clip_global(eager, 1e-3)
+    assert_grads_close(model, eager)
 
 
 def test_step_needs_step_scope():
