@@ -83,6 +83,7 @@ class Report:
         return "\n".join(line.rstrip() for line in lines)
 
     def __str__(self) -> str:
+        # .item() syncs with the device: fine, explain is a one-off diagnostic, not a training step.
         parts = [
             f"{self.backend!r}",
             f"{len(self.graphs)} compiled graph(s), loss {self.loss.item():.6g}",

@@ -104,10 +104,12 @@ def step_if_finite(optimizer: Any, backend: Any) -> bool:
     the device, which **costs one host sync** per call: the price of deciding
     on the host whether to step. Returns whether it stepped.
     """
-    flag = backend.stats().get("nonfinite_step")
+    if backend.current_scope() == "step":
+        backend.step()  # the policy runs now, so the flag below is this step's
+    flag = backend.store.values(stats=True).get("nonfinite_step")  # a live view: no copy of every stat
     if flag is None:
         raise ValueError("step_if_finite needs fxgrad.skip_nonfinite() in the backend's policy")
-    if flag.item() != 0:
+    if flag.item() != 0:  # the documented host sync: the host decides whether to step
         return False
     optimizer.step()
     return True

@@ -130,11 +130,12 @@ def test_zero_nonfinite_replaces_and_counts():
     assert stats["nonfinite/net.0"].item() > 0
 
 
-def test_skip_nonfinite_zeroes_the_step_and_step_if_finite_skips_it():
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_skip_nonfinite_zeroes_the_step_and_step_if_finite_skips_it(scope):
     torch.manual_seed(0)
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.chain(fxgrad.skip_nonfinite(), fxgrad.clip_by_global_norm(1.0)),
-                             compiler="aot_eager")
+                             compiler="aot_eager", scope=scope)
     compiled = backend.compile(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     for step in range(4):
