@@ -152,14 +152,7 @@ class RouteContext:
         def read() -> torch.Tensor:
             return torch.cat([_row_norms(p).reshape(-1) for layer_params in params() for p in layer_params])
 
-        flat_norms = self._external("weight row norms", read, sum(math.prod(s) for ss in shapes for s in ss))
-        out, offset = [], 0
-        for layer_shapes in shapes:
-            out.append([])
-            for shape in layer_shapes:
-                out[-1].append(flat_norms[offset : offset + math.prod(shape)].view(shape))
-                offset += math.prod(shape)
-        return out
+        return _split(self._external("weight row norms", read, _numel(shapes)), shapes)
 
     def weights(self) -> list[list[torch.Tensor]]:
         """Per layer, per parameter: a float32 copy of the parameter's values.
@@ -172,15 +165,7 @@ class RouteContext:
         def read() -> torch.Tensor:
             return torch.cat([p.reshape(-1) for layer_params in params() for p in layer_params])
 
-        values = self._external("weights", read, sum(math.prod(s) for ss in shapes for s in ss),
-                               dtype=torch.float32)
-        out, offset = [], 0
-        for layer_shapes in shapes:
-            out.append([])
-            for shape in layer_shapes:
-                out[-1].append(values[offset : offset + math.prod(shape)].view(shape))
-                offset += math.prod(shape)
-        return out
+        return _split(self._external("weights", read, _numel(shapes), dtype=torch.float32), shapes)
 
     def _params(self) -> Callable[[], list[list[torch.Tensor]]]:
         if self.graph.params is None:
@@ -194,6 +179,21 @@ class RouteContext:
         key = (what, self.key, tuple(layer.name for layer in self.layers))
         group = self.graph.store.external_group(f"{what} of {self.key}", key, read, numel, self.graph.device, dtype)
         return torch.ops.fxgrad.load_state(group.name)
+
+
+def _numel(shapes: list[list[Shape]]) -> int:
+    return sum(math.prod(shape) for layer_shapes in shapes for shape in layer_shapes)
+
+
+def _split(values: torch.Tensor, shapes: list[list[Shape]]) -> list[list[torch.Tensor]]:
+    """Views of a flat tensor, per layer and parameter, with ``shapes``."""
+    out, offset = [], 0
+    for layer_shapes in shapes:
+        out.append([])
+        for shape in layer_shapes:
+            out[-1].append(values[offset : offset + math.prod(shape)].view(shape))
+            offset += math.prod(shape)
+    return out
 
 
 def _row_shape(param: torch.Tensor) -> tuple[int, ...]:
