@@ -19,6 +19,7 @@ from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 import torch._guards
 from torch._guards import detect_fake_mode as _detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes
 
@@ -36,6 +37,8 @@ __all__ = [
     "compile_id",
     "current_frame_scope",
     "detect_fake_mode",
+    "fake_of",
+    "new_fake_like",
     "generated_code",
     "inductor_compile",
     "inductor_decompositions",
@@ -60,6 +63,19 @@ def inductor_decompositions() -> dict:
 def detect_fake_mode(values: list) -> Any:
     """The FakeTensorMode that owns ``values`` (the ``meta["val"]`` of graph nodes)."""
     return _detect_fake_mode(values)
+
+
+def fake_of(value: Any, fake_mode: Any) -> bool:
+    """Whether ``value`` is a plain fake tensor of ``fake_mode`` (not a subclass such as DTensor)."""
+    return type(value) is _FakeTensor and value.fake_mode is fake_mode
+
+
+def new_fake_like(fake_mode: Any, template: torch.Tensor) -> torch.Tensor:
+    """A new fake tensor with ``template``'s shape, strides, dtype and device, made without
+    a fake dispatch (~13 us instead of ~80 us)."""
+    with torch._C._DisableTorchDispatch():
+        empty = torch.empty_strided(template.shape, template.stride(), dtype=template.dtype, device="meta")
+    return _FakeTensor(fake_mode, empty, template.device)
 
 
 def inductor_compile(

@@ -23,7 +23,7 @@ from fxgrad import _validate
 from fxgrad.base import LayerGrads, Leaf, ScaleLeaf
 from fxgrad.context import RouteContext
 from fxgrad.layers import Layer
-from fxgrad.norms import Factor, NormStats, accumulation_dtype
+from fxgrad.norms import Factor, NormStats, cast, widen
 from fxgrad.state import flat
 
 NORMS = ("l2", "linf", "rms")
@@ -259,7 +259,7 @@ class Sinkhorn(Leaf):
         return [[self._one(g, ctx.scale) for g in group] for group in grads]
 
     def _one(self, grad: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        x = grad.to(accumulation_dtype(grad))
+        x = widen(grad)
         if x.dim() >= 2:
             rows, cols = x.shape[0], x.numel() // x.shape[0]
             y = x.reshape(rows, cols)
@@ -271,7 +271,7 @@ class Sinkhorn(Leaf):
             out = x * (math.sqrt(x.numel()) / (torch.linalg.vector_norm(x) + self.eps))
         if scale is not None:  # the result is scale-free; unscale_ will divide by the scale
             out = out * scale.to(out.dtype)
-        return out.to(grad.dtype)
+        return cast(out, grad.dtype)
 
 
 def sinkhorn(iters: int = 5) -> Sinkhorn:

@@ -15,6 +15,7 @@ addition, and scaling a layer's gradients by ``f`` scales its power sum by
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable, Sequence
 
@@ -26,12 +27,30 @@ Factor = torch.Tensor | float
 
 def accumulation_dtype(tensor: torch.Tensor) -> torch.dtype:
     """float32, or float64 for float64 gradients."""
-    return torch.promote_types(tensor.dtype, torch.float32)
+    return _accumulation_dtype(tensor.dtype)
+
+
+@functools.cache
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, without dispatching anything when it already has that dtype.
+
+    Rules run once per graph on fake tensors, where every dispatch costs ~0.1 ms.
+    """
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+def widen(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in its :func:`accumulation_dtype`."""
+    return cast(tensor, accumulation_dtype(tensor))
 
 
 def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     """``sum |t|^p`` over all elements (``max |t|`` for ``p = inf``), a 0-dim tensor."""
-    wide = [t.to(accumulation_dtype(t)) for t in tensors]
+    wide = [widen(t) for t in tensors]
     if math.isinf(p):
         return _reduce([t.abs().amax() for t in wide], torch.maximum)
     if p == 2.0:
@@ -106,7 +125,7 @@ def clip_coefficient_tensor(norm: torch.Tensor, max_norm: torch.Tensor) -> torch
 
 def scaled(tensors: Sequence[torch.Tensor], factor: Factor) -> list[torch.Tensor]:
     """``t * factor`` for each tensor, computed in float32 and cast back."""
-    return [(t.to(accumulation_dtype(t)) * like(t, factor)).to(t.dtype) for t in tensors]
+    return [cast(widen(t) * like(t, factor), t.dtype) for t in tensors]
 
 
 def replicated(value: torch.Tensor) -> torch.Tensor:

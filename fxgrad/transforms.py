@@ -102,8 +102,8 @@ class ClipByValue(Leaf):
 
 
 def _clamp(grad: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    wide = grad.to(norms.accumulation_dtype(grad))
-    return torch.minimum(torch.maximum(wide, -bound), bound).to(grad.dtype)
+    wide = norms.widen(grad)
+    return norms.cast(torch.minimum(torch.maximum(wide, -bound), bound), grad.dtype)
 
 
 Target = str | float | Callable[[float, Layer], float]

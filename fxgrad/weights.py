@@ -21,7 +21,7 @@ from fxgrad import _validate
 from fxgrad.base import LayerGrads, Leaf, ScaleLeaf
 from fxgrad.context import RouteContext
 from fxgrad.layers import Layer
-from fxgrad.norms import Factor, NormStats, accumulation_dtype
+from fxgrad.norms import Factor, NormStats, cast, widen
 from fxgrad.state import flat
 
 
@@ -47,7 +47,7 @@ class AdaptiveGradClip(Leaf):
         return out
 
     def _one(self, grad: torch.Tensor, weight_norm: torch.Tensor, inverse: torch.Tensor | None) -> torch.Tensor:
-        g = grad.to(accumulation_dtype(grad))
+        g = widen(grad)
         if g.dim() <= 1:
             norm = torch.linalg.vector_norm(g)
         else:
@@ -56,7 +56,7 @@ class AdaptiveGradClip(Leaf):
             norm = norm * inverse.to(norm.dtype)
         bound = weight_norm.to(norm.dtype).clamp_min(self.eps) * self.clipping
         clipped = g * (bound / norm.clamp_min(1e-6))
-        return torch.where(norm < bound, g, clipped).to(grad.dtype)
+        return cast(torch.where(norm < bound, g, clipped), grad.dtype)
 
 
 def adaptive_grad_clip(clipping: float = 0.01, eps: float = 1e-3) -> AdaptiveGradClip:
@@ -201,7 +201,7 @@ class BalanceNorms(Leaf):
         out = []
         for i, (group, values) in enumerate(zip(grads, weights)):
             c = coef[i].to(torch.float32)
-            out.append([(g.to(accumulation_dtype(g)) + c * w).to(g.dtype) for g, w in zip(group, values)])
+            out.append([cast(widen(g) + c * w, g.dtype) for g, w in zip(group, values)])
         return out
 
 

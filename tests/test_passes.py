@@ -77,3 +77,37 @@ def test_rule_with_tensor_constant_is_rejected():
     outputs = passes.gradient_outputs(gm, num_forward_inputs=3)
     with pytest.raises(ValueError, match="tensor constant"):
         record(gm, fake_mode, [outputs[0]], lambda gs: [gs[0] * torch.tensor([1.0, 2.0, 3.0])])
+
+
+def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
+    """The recorder reuses fake results per signature; each must match a real fake dispatch."""
+
+    def layouts(x):
+        return (x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), x[0, 0].t(), x[0, 0, 0],
+                x.sum().double(), x[0, 0].bfloat16())
+
+    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    with fake_mode:
+        gm = make_fx(layouts, tracing_mode="real")(torch.randn(2, 3, 4, 4))
+    outputs = passes.gradient_outputs(gm, num_forward_inputs=5)
+
+    def rule(values):
+        results = []
+        for _ in range(2):  # the second round hits the per-signature results
+            for a in values:
+                for b in values:
+                    results += [a * b, a + b, torch.maximum(a, b.to(a.dtype)) if a.dim() >= b.dim() else a - b]
+                results += [(a * 0.5).sum(), a.abs().amax(), a.clamp_max(1.0).sqrt().reciprocal(), a.pow(3.0) / 2]
+        return results
+
+    record(gm, fake_mode, outputs, rule)
+    checked = 0
+    for node in passes.inserted_nodes(gm):
+        args = torch.fx.node.map_arg(node.args, lambda n: n.meta["val"])
+        with fake_mode:
+            expected = node.target(*args, **node.kwargs)
+        got = node.meta["val"]
+        assert (got.shape, got.stride(), got.dtype, got.device) == (
+            expected.shape, expected.stride(), expected.dtype, expected.device), node.format_node()
+        checked += 1
+    assert checked > 200
