@@ -16,7 +16,14 @@ def gpt2(scale: float = 1.0):
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )
     ids = torch.randint(0, 2048, (8, 64))
-    return GPT2LMHeadModel(config), (ids,), {"labels": ids}
+    return _causal_lm(GPT2LMHeadModel(config)), (ids,), {"labels": ids}
+
+
+def _causal_lm(model):
+    """``model`` with its loss named: without it transformers logs a warning inside
+    ``forward``, which Dynamo cannot trace (a graph break before the loss)."""
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 class _Block(nn.Module):
@@ -66,7 +73,7 @@ def gpt2_124m(scale: float = 1.0):
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     length = 512 if scale >= 1.0 else 64
     ids = torch.randint(0, config.vocab_size, (8, length))
-    return GPT2LMHeadModel(config), (ids,), {"labels": ids}
+    return _causal_lm(GPT2LMHeadModel(config)), (ids,), {"labels": ids}
 
 
 MODELS = {"gpt2": gpt2, "resnet": resnet, "deep_mlp": deep_mlp, "gpt2_124m": gpt2_124m}

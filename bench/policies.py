@@ -2,6 +2,8 @@
 
 The eager equivalents are what people write today, run after the compiled
 model's ``backward()``: ``clip_grad_norm_(foreach=True)``, and per-layer loops.
+Rescaling is also measured the way the rescaling article does it, with module
+backward hooks (:class:`HookRescaled`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,36 @@ def eager_rescale(model: nn.Module, layers, alpha: float = 0.5) -> None:
     factors = (norms.mean() / (norms + 1e-7)) ** alpha
     for params, factor in zip(layers, factors):
         torch._foreach_mul_([p.grad for p in params], factor)
+
+
+class HookRescaled(nn.Module):
+    """``model`` with the article's module-hook rescaling: a ``register_full_backward_hook``
+    on each non-norm layer scales the gradient flowing into the layer by
+    ``(1 / ||g||)^alpha``.
+
+    This is the article's formulation, not fxgrad's ``rescale`` (which scales each layer's
+    parameter gradients by ``(mean norm / ||g||)^alpha``): the same work per layer, one norm
+    and one scale, but it changes the gradients of the layers below too. Under
+    ``torch.compile`` the hooks only run with compiled autograd on. The wrapper gives the
+    compiled forward its own code object: Dynamo does not guard on backward hooks, and would
+    otherwise reuse an un-hooked copy's graph, silently without hooks (pytorch#117265).
+
+        >>> model = HookRescaled(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+    """
+
+    def __init__(self, model: nn.Module, alpha: float = 0.5) -> None:
+        super().__init__()
+        self.model, self.alpha = model, alpha
+        for module in model.modules():
+            if any(True for _ in module.parameters(recurse=False)) and not isinstance(module, NORM_LAYERS):
+                module.register_full_backward_hook(self._rescale)
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def _rescale(self, module: nn.Module, grad_input, grad_output):
+        return tuple(None if g is None else g * (1.0 / (torch.linalg.vector_norm(g) + 1e-7)) ** self.alpha
+                     for g in grad_input)
 
 
 class EagerMonitor:

@@ -1,13 +1,15 @@
 """Step-time ratios measured side by side in one process.
 
-For each model and policy, three variants train the same model (own copies,
+For each model and policy, these variants train the same model (own copies,
 same batch) and are timed interleaved, several repeats, medians, warm-up and
 compilation excluded:
 
 * ``compiled``: ``torch.compile(model)`` (Inductor), no gradient policy;
 * ``fxgrad``:   ``fxgrad.backend(policy).compile(model)``, the policy inside the backward;
 * ``eager``:    ``torch.compile(model)`` plus the policy in eager PyTorch after
-  ``backward()`` (``clip_grad_norm_(foreach=True)``, per-layer loops).
+  ``backward()`` (``clip_grad_norm_(foreach=True)``, per-layer loops);
+* ``hooks rescale`` (with the rescale policy): module backward hooks under
+  compiled autograd, as the rescaling article writes it.
 
 It also reports cold compile time (the first step in a fresh process with
 empty caches) and the kernel launches fxgrad adds to the compiled backward,
@@ -20,6 +22,7 @@ then writes a Markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import os
@@ -30,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 
@@ -38,7 +42,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import fxgrad  # noqa: E402
 from fxgrad import _compat  # noqa: E402
 from models import MODELS, loss_of  # noqa: E402
-from policies import POLICIES, layers_of  # noqa: E402
+from policies import POLICIES, HookRescaled, layers_of  # noqa: E402
 
 LAUNCH = re.compile(r"^\s+(cpp_fused_\w+|triton_\w+(?:\.run)?|extern_kernels\.\w+)\(", re.MULTILINE)
 
@@ -48,9 +52,9 @@ class Variant:
 
     autocast: torch.dtype | None = None  # set by main() for --dtype bfloat16 / float16
 
-    def __init__(self, name, model, compiled, after_backward, inputs):
+    def __init__(self, name, model, compiled, after_backward, inputs, around_step=contextlib.nullcontext):
         self.name, self.model, self.compiled = name, model, compiled
-        self.after_backward = after_backward
+        self.after_backward, self.around_step = after_backward, around_step
         self.args, self.kwargs = inputs
         self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
         self.layers = layers_of(model)
@@ -62,7 +66,8 @@ class Variant:
             return loss_of(self.compiled(*self.args, **self.kwargs))
 
     def step(self) -> None:
-        self.loss().backward()
+        with self.around_step():
+            self.loss().backward()
         self.after_backward(self.model, self.layers)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -71,7 +76,8 @@ class Variant:
     def first_step(self) -> tuple[float, int]:
         """Compile and run one step; return its time and the backward's kernel launches."""
         start = time.perf_counter()
-        code = "\n".join(_compat.generated_code(self.loss().backward))
+        with self.around_step():
+            code = "\n".join(_compat.generated_code(lambda: self.loss().backward()))
         self.after_backward(self.model, self.layers)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -109,7 +115,21 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
         variants.append(Variant(f"fxgrad {policy}", m, backend.compile(m), no_policy, inputs))
         m = copy_of()
         variants.append(Variant(f"eager {policy}", m, compiled(m), eager, inputs))
+    if "rescale" in policies:
+        hooked = HookRescaled(copy_of())
+        variants.append(Variant("hooks rescale", hooked.model, compiled(hooked), no_policy, inputs,
+                                lambda: under_compiled_autograd(compiler)))
     return variants
+
+
+@contextlib.contextmanager
+def under_compiled_autograd(compiler: str):
+    """Forward and backward as ``torch.compile`` runs module backward hooks: Dynamo told to
+    expect compiled autograd (else a graph break at every hooked module), and the backward
+    run by it."""
+    with _compat.dynamo_config().patch(compiled_autograd=True), \
+            _compat.compiled_autograd(torch.compile(backend=compiler)):
+        yield
 
 
 def measure(variants, repeats, steps):
@@ -143,12 +163,13 @@ def report_rows(model_name, policies, variants, first, compile_seconds):
             f"{paired_ratio(fx, base):.3f}", f"{paired_ratio(eager, base):.3f}", f"{paired_ratio(fx, eager):.3f}",
             f"{first[fx.name][1] - first['compiled'][1]:+d}",
             "-" if cold is None else f"{cold / compile_seconds[None]:.2f}",
+            f"{paired_ratio(by_name['hooks rescale'], base):.3f}" if policy == "rescale" else "-",
         ))
     return rows, statistics.median(base.times)
 
 
 HEADER = ("model", "policy", "fxgrad / compiled", "eager / compiled", "fxgrad / eager",
-          "extra kernels", "cold compile fxgrad / compiled")
+          "extra kernels", "cold compile fxgrad / compiled", "module hooks / compiled")
 
 
 def markdown(rows) -> str:
@@ -227,6 +248,8 @@ def main() -> None:
     fresh_cache = tempfile.TemporaryDirectory(prefix="fxgrad-bench-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh_cache.name
     repeats, steps = (2, 2) if options.quick else (options.repeats, options.steps)
+    # HookRescaled hooks the first layer too, whose input needs no gradient; torch warns each step.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     torch._dynamo.config.cache_size_limit = 64
     policies = options.policies.split(",")
 
@@ -259,6 +282,9 @@ def main() -> None:
         "fxgrad / plain `torch.compile`",
         "- ratios < 1 mean faster; `extra kernels` counts kernel launches fxgrad adds "
         "to the compiled backward (negative: Inductor fused more)",
+        "- `module hooks / compiled` (rescale rows): the rescaling article's `register_full_backward_hook` "
+        "per layer, scaling the gradient flowing into each layer by `(1 / ||g||)^0.5`, run under "
+        "compiled autograd as `torch.compile` requires (`bench/policies.py`, `HookRescaled`)",
         *(["", markdown(rows), "", "Baselines:", *notes] if rows else []),
         "",
         *([] if options.no_pass_scaling else [

@@ -32,6 +32,7 @@ __all__ = [
     "foreach_norm",
     "data_parallel_world_size",
     "compiled_autograd_requested",
+    "compiled_autograd",
     "aot_eager_compile",
     "autograd_cache_bypassed",
     "compile_id",
@@ -163,10 +164,19 @@ def compile_id(gm: torch.fx.GraphModule) -> tuple[tuple[int | None, int | None],
 
 
 def generated_code(fn: Callable[[], Any]) -> list[str]:
-    """Run ``fn`` and return the source of every module Inductor generated meanwhile."""
-    from torch._inductor.utils import run_and_get_code
+    """Run ``fn`` and return the source of every module Inductor generated meanwhile.
 
-    return run_and_get_code(fn)[1]
+    Unlike ``torch._inductor.utils.run_and_get_code`` this does not reset Dynamo first,
+    which would drop every other compiled model's graphs and turn compiled autograd off.
+    """
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    sources: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", sources.append):
+        fn()
+    return list(dict.fromkeys(sources))
 
 
 def reset_dynamo() -> None:
@@ -190,6 +200,15 @@ def compiled_autograd_requested() -> bool:
     from torch._dynamo import compiled_autograd
 
     return compiled_autograd.compiled_autograd_enabled or torch._dynamo.config.compiled_autograd
+
+
+def compiled_autograd(compiler: Callable) -> contextlib.AbstractContextManager:
+    """A context in which backward passes run under compiled autograd, compiled by
+    ``compiler`` (e.g. ``torch.compile(backend="inductor")``). Module backward hooks need it
+    under ``torch.compile``; fxgrad's in-graph scope refuses it (docs/design.md, fact 12)."""
+    from torch._dynamo import compiled_autograd as _compiled_autograd
+
+    return _compiled_autograd._enable(compiler)
 
 
 def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:
