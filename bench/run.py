@@ -4,7 +4,8 @@ For each model and policy, these variants train the same model (own copies,
 same batch) and are timed interleaved, several repeats, medians, warm-up and
 compilation excluded:
 
-* ``compiled``: ``torch.compile(model)`` (Inductor), no gradient policy;
+* ``compiled``: ``torch.compile(model)`` (Inductor), no gradient policy, and a second
+  copy of it (``compiled again``) whose ratio to the first is the noise floor;
 * ``fxgrad``:   ``fxgrad.backend(policy).compile(model)``, the policy inside the backward;
 * ``eager``:    ``torch.compile(model)`` plus the policy in eager PyTorch after
   ``backward()`` (``clip_grad_norm_(foreach=True)``, per-layer loops);
@@ -106,7 +107,8 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
         return torch.compile(m) if compiler == "inductor" else torch.compile(m, backend="aot_eager")
 
     copy_of = lambda: copy.deepcopy(model)  # noqa: E731
-    variants = [Variant("compiled", (m := copy_of()), compiled(m), no_policy, inputs)]
+    variants = [Variant("compiled", (m := copy_of()), compiled(m), no_policy, inputs),
+                Variant("compiled again", (m := copy_of()), compiled(m), no_policy, inputs)]
     for policy in policies:
         transform, make_eager = POLICIES[policy]
         eager = make_eager()
@@ -165,7 +167,7 @@ def report_rows(model_name, policies, variants, first, compile_seconds):
             "-" if cold is None else f"{cold / compile_seconds[None]:.2f}",
             f"{paired_ratio(by_name['hooks rescale'], base):.3f}" if policy == "rescale" else "-",
         ))
-    return rows, statistics.median(base.times)
+    return rows, statistics.median(base.times), paired_ratio(by_name["compiled again"], base)
 
 
 HEADER = ("model", "policy", "fxgrad / compiled", "eager / compiled", "fxgrad / eager",
@@ -260,9 +262,10 @@ def main() -> None:
                 for p in [None] + [p for p in options.compile_policies.split(",") if p in policies]}
         variants = build_variants(model_name, policies, scale, options.compiler, options.device)
         first = measure(variants, repeats, steps)
-        model_rows, base = report_rows(model_name, policies, variants, first, cold)
+        model_rows, base, control = report_rows(model_name, policies, variants, first, cold)
         rows += model_rows
-        notes.append(f"- {model_name}: compiled step {base * 1e3:.1f} ms; cold first step (compile + run) "
+        notes.append(f"- {model_name}: compiled step {base * 1e3:.1f} ms; a second copy of it / compiled "
+                     f"{control:.3f} (the noise floor); cold first step (compile + run) "
                      f"{cold[None]:.1f} s without a policy")
         print(markdown(model_rows), flush=True)
 
