@@ -12,9 +12,9 @@ if [[ "${1:-}" == "--device" ]]; then DEVICE="${2:?--device needs cpu or cuda}";
 
 if [[ "$DEVICE" == "cuda" ]]; then
   "$PYTHON" bench/run.py --models gpt2_124m --device cuda --dtype bfloat16 \
-    --policies global_clip,full,agc,sinkhorn --compile-policies global_clip --no-pass-scaling \
+    --policies global_clip,full,agc,sinkhorn --compile-policies global_clip --compile-samples 1 --no-pass-scaling \
     --repeats 10 --steps 10 --out bench/results/gpu.md
 else
   "$PYTHON" bench/run.py --models gpt2_124m --device cpu --scale 0.1 --policies global_clip,full \
-    --compile-policies global_clip --no-pass-scaling --repeats 2 --steps 1 --out -
+    --compile-policies global_clip --compile-samples 1 --no-pass-scaling --repeats 2 --steps 1 --out -
 fi

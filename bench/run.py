@@ -153,18 +153,18 @@ def paired_ratio(a: Variant, b: Variant) -> float:
     return statistics.median(x / y for x, y in zip(a.times, b.times))
 
 
-def report_rows(model_name, policies, variants, first, compile_seconds):
+def report_rows(model_name, policies, variants, first, compile_ratios):
     by_name = {v.name: v for v in variants}
     base = by_name["compiled"]
     rows = []
     for policy in policies:
         fx, eager = by_name[f"fxgrad {policy}"], by_name[f"eager {policy}"]
-        cold = compile_seconds.get(policy)
+        cold = compile_ratios.get(policy)
         rows.append((
             model_name, policy,
             f"{paired_ratio(fx, base):.3f}", f"{paired_ratio(eager, base):.3f}", f"{paired_ratio(fx, eager):.3f}",
             f"{first[fx.name][1] - first['compiled'][1]:+d}",
-            "-" if cold is None else f"{cold / compile_seconds[None]:.2f}",
+            "-" if cold is None else f"{cold:.2f}",
             f"{paired_ratio(by_name['hooks rescale'], base):.3f}" if policy == "rescale" else "-",
         ))
     return rows, statistics.median(base.times), paired_ratio(by_name["compiled again"], base)
@@ -191,6 +191,15 @@ def first_step_seconds(model_name: str, policy: str | None, scale: float, compil
                    "--compiler", compiler, "--scale", str(scale), "--device", device, "--dtype", dtype]
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def cold_compile(model_name: str, policies: list[str], samples: int, *args) -> dict:
+    """policy -> median over ``samples`` rounds of its first step / the baseline's in the same
+    round (each in a fresh process), and None -> the baseline's median seconds."""
+    rounds = [{p: first_step_seconds(model_name, p, *args) for p in [None, *policies]} for _ in range(samples)]
+    out = {p: statistics.median(r[p] / r[None] for r in rounds) for p in policies}
+    out[None] = statistics.median(r[None] for r in rounds)
+    return out
 
 
 def run_first_step(model_name: str, policy: str, scale: float, compiler: str, device: str) -> None:
@@ -232,6 +241,8 @@ def main() -> None:
                         help="Markdown file to write, or - for stdout only")
     parser.add_argument("--compile-policies", default="global_clip,full",
                         help="policies whose cold compile time is measured (fresh process each)")
+    parser.add_argument("--compile-samples", type=int, default=3,
+                        help="fresh processes per cold compile time (interleaved with the baseline's)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="autocast dtype for the forward (parameters stay float32)")
@@ -250,6 +261,8 @@ def main() -> None:
     fresh_cache = tempfile.TemporaryDirectory(prefix="fxgrad-bench-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh_cache.name
     repeats, steps = (2, 2) if options.quick else (options.repeats, options.steps)
+    if options.quick:
+        options.compile_samples = 1
     # HookRescaled hooks the first layer too, whose input needs no gradient; torch warns each step.
     warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     torch._dynamo.config.cache_size_limit = 64
@@ -258,8 +271,8 @@ def main() -> None:
     rows, notes = [], []
     for model_name in filter(None, options.models.split(",")):  # --models "": pass time only
         _compat.reset_dynamo()
-        cold = {p: first_step_seconds(model_name, p, scale, options.compiler, options.device, options.dtype)
-                for p in [None] + [p for p in options.compile_policies.split(",") if p in policies]}
+        cold = cold_compile(model_name, [p for p in options.compile_policies.split(",") if p in policies],
+                            options.compile_samples, scale, options.compiler, options.device, options.dtype)
         variants = build_variants(model_name, policies, scale, options.compiler, options.device)
         first = measure(variants, repeats, steps)
         model_rows, base, control = report_rows(model_name, policies, variants, first, cold)
@@ -282,7 +295,7 @@ def main() -> None:
         f"x {steps} steps; each ratio is the median over repeats of the two variants' times in the "
         "same repeat; warm-up and compilation excluded",
         "- compile: the first step (compile + run) in a fresh process with empty Inductor caches, "
-        "fxgrad / plain `torch.compile`",
+        f"fxgrad / plain `torch.compile`, median over {options.compile_samples} rounds of both",
         "- ratios < 1 mean faster; `extra kernels` counts kernel launches fxgrad adds "
         "to the compiled backward (negative: Inductor fused more)",
         "- `module hooks / compiled` (rescale rows): the rescaling article's `register_full_backward_hook` "
