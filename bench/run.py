@@ -28,6 +28,7 @@ import copy
 import datetime
 import os
 import platform
+import random
 import re
 import shlex
 import statistics
@@ -139,7 +140,10 @@ def measure(variants, repeats, steps):
     for v in variants:
         v.step()  # one warm step each
     for r in range(repeats):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        # A fresh order each repeat: a fixed cyclic order would give each variant the same
+        # predecessor every time, and whatever that one leaves behind (caches, compiled
+        # autograd) would bias it.
+        order = random.Random(r).sample(variants, len(variants))
         for v in order:
             start = time.perf_counter()
             for _ in range(steps):
@@ -291,7 +295,7 @@ def main() -> None:
         f"- machine: {gpu or platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, autocast {options.dtype}",
         f"- command: `{command.strip()}`",
-        f"- method: variants interleaved in one process (order rotated each repeat), {repeats} repeats "
+        f"- method: variants interleaved in one process (order shuffled each repeat), {repeats} repeats "
         f"x {steps} steps; each ratio is the median over repeats of the two variants' times in the "
         "same repeat; warm-up and compilation excluded",
         "- compile: the first step (compile + run) in a fresh process with empty Inductor caches, "
