@@ -16,7 +16,7 @@ It also reports cold compile time (the first step in a fresh process with
 empty caches) and the kernel launches fxgrad adds to the compiled backward,
 then writes a Markdown table.
 
-    python bench/run.py                       # everything, ~25 minutes on 2 CPU cores
+    python bench/run.py                       # everything, ~30 minutes on 2 CPU cores
     python bench/run.py --quick --compiler aot_eager --out -   # smoke test
 """
 
