@@ -1,21 +1,15 @@
 """The benchmark harness runs end to end (numbers from aot_eager mean nothing)."""
 
-import copy
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from models import deep_mlp  # noqa: E402
-from policies import HookRescaled  # noqa: E402
-from run import under_compiled_autograd  # noqa: E402
 
 
 def test_bench_quick_smoke():
@@ -29,19 +23,30 @@ def test_bench_quick_smoke():
     assert "| deep_mlp | rescale |" in out.stdout
 
 
-@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_hooked_variant_runs_its_hooks_beside_an_unhooked_compiled_copy():
     """Dynamo does not guard on backward hooks: without its own wrapper the hooked copy would
-    reuse the plain copy's graph and silently skip the hooks."""
-    model, (x,), _ = deep_mlp(0.1)
-    plain = torch.compile(copy.deepcopy(model), backend="aot_eager")
-    eager, hooked = HookRescaled(copy.deepcopy(model)), HookRescaled(copy.deepcopy(model))
-    compiled = torch.compile(hooked, backend="aot_eager")
-    for _ in range(2):
-        plain(x).pow(2).mean().backward()
-        with under_compiled_autograd("aot_eager"):
-            compiled(x).pow(2).mean().backward()
-        eager(x).pow(2).mean().backward()
-        for a, b in zip(hooked.parameters(), eager.parameters()):
-            torch.testing.assert_close(a.grad, b.grad)
-            a.grad = b.grad = None
+    reuse the plain copy's graph and silently skip the hooks. (A subprocess: bench/ has its
+    own ``models`` module.)"""
+    script = textwrap.dedent("""
+        import copy, warnings, torch
+        from models import deep_mlp
+        from policies import HookRescaled
+        from run import under_compiled_autograd
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        model, (x,), _ = deep_mlp(0.1)
+        plain = torch.compile(copy.deepcopy(model), backend="aot_eager")
+        eager, hooked = HookRescaled(copy.deepcopy(model)), HookRescaled(copy.deepcopy(model))
+        compiled = torch.compile(hooked, backend="aot_eager")
+        for _ in range(2):
+            plain(x).pow(2).mean().backward()
+            with under_compiled_autograd("aot_eager"):
+                compiled(x).pow(2).mean().backward()
+            eager(x).pow(2).mean().backward()
+            for a, b in zip(hooked.parameters(), eager.parameters()):
+                torch.testing.assert_close(a.grad, b.grad)
+                a.grad = b.grad = None
+        print("hooks ran")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=os.path.join(ROOT, "bench"),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "hooks ran" in out.stdout, out.stderr[-3000:]
