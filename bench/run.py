@@ -125,14 +125,11 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
     return variants
 
 
-@contextlib.contextmanager
 def under_compiled_autograd(compiler: str):
-    """Forward and backward as ``torch.compile`` runs module backward hooks: Dynamo told to
-    expect compiled autograd (else a graph break at every hooked module), and the backward
-    run by it."""
-    with _compat.dynamo_config().patch(compiled_autograd=True), \
-            _compat.compiled_autograd(torch.compile(backend=compiler)):
-        yield
+    """The context a step with module backward hooks runs in under ``torch.compile``: Dynamo
+    traces the hooks only while compiled autograd is on (else a graph break at every hooked
+    module), and the backward must then run under it."""
+    return _compat.compiled_autograd(torch.compile(backend=compiler))
 
 
 def measure(variants, repeats, steps):
