@@ -16,14 +16,20 @@ import fxgrad
 NORM_LAYERS = (nn.LayerNorm, nn.BatchNorm2d)
 
 
+def layer_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that hold parameters themselves, norm layers excepted."""
+    return [m for m in model.modules()
+            if not isinstance(m, NORM_LAYERS) and any(True for _ in m.parameters(recurse=False))]
+
+
 def layers_of(model: nn.Module) -> list[list[torch.Tensor]]:
-    """Gradients per non-norm layer (tied weights counted once)."""
+    """Parameters per non-norm layer (tied weights counted once, with their first layer)."""
     seen: set[int] = set()
     out = []
-    for module in model.modules():
+    for module in layer_modules(model):
         params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
         seen.update(id(p) for p in params)
-        if params and not isinstance(module, NORM_LAYERS):
+        if params:
             out.append(params)
     return out
 
@@ -63,9 +69,8 @@ class HookRescaled(nn.Module):
     def __init__(self, model: nn.Module, alpha: float = 0.5) -> None:
         super().__init__()
         self.model, self.alpha = model, alpha
-        for module in model.modules():
-            if any(True for _ in module.parameters(recurse=False)) and not isinstance(module, NORM_LAYERS):
-                module.register_full_backward_hook(self._rescale)
+        for module in layer_modules(model):
+            module.register_full_backward_hook(self._rescale)
 
     def forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)

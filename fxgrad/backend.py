@@ -237,7 +237,8 @@ class Backend:
     def stats(self) -> dict[str, torch.Tensor]:
         """The latest step's statistics: ``{name: 0-dim tensor}``, on the device.
 
-        A snapshot (one copy per group, no host sync) that loggers take as is::
+        A snapshot (one copy per group, no host sync) that loggers take as is;
+        ``.item()`` is a host sync, so read the values every N steps, not every step::
 
             if step % 100 == 0:
                 wandb.log({k: v.item() for k, v in backend.stats().items()})
