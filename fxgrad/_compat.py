@@ -8,6 +8,7 @@ that should need to change; the facts it relies on are listed in
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -40,6 +41,7 @@ __all__ = [
     "detect_fake_mode",
     "fake_of",
     "new_fake_like",
+    "returns_new_tensors",
     "generated_code",
     "inductor_compile",
     "inductor_decompositions",
@@ -78,6 +80,24 @@ def new_fake_like(fake_mode: Any, template: torch.Tensor) -> torch.Tensor:
         empty = torch.empty_strided(template.shape, template.stride(), dtype=template.dtype, device="meta")
     return _FakeTensor(fake_mode, empty, template.device)
 
+
+
+@functools.cache
+def returns_new_tensors(func: Any) -> bool:
+    """Whether ``func`` returns new tensors whose metadata follows from its arguments'
+    metadata alone: an ATen or prims op that mutates nothing, aliases nothing, and whose
+    output shape does not depend on tensor values (``nonzero`` does)."""
+    if not isinstance(func, torch._ops.OpOverload) or func.namespace not in ("aten", "prims"):
+        return False
+    schema = func._schema
+    value_dependent = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+    return (
+        not schema.is_mutable
+        and not value_dependent.intersection(func.tags)
+        and len(schema.returns) > 0
+        and all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+        and all(a.alias_info is None for a in schema.arguments)
+    )
 
 def inductor_compile(
     gm: torch.fx.GraphModule, example_inputs: list, rewrite_backward: BackwardRewrite

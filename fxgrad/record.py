@@ -16,11 +16,13 @@ Every recorded node goes right before the graph's output, is named
 ``fxgrad_<op>``, and carries ``meta["val"]`` (the fake result),
 ``meta["fxgrad"] = recorder.label`` and a ``stack_trace`` line with the label.
 Ops in the decomposition table are decomposed first, so only ops the compiler
-accepts are recorded. The elementwise ops and full reductions that norm and
-scaling code repeats for every gradient get their fake result once per argument
-signature (shapes, strides, dtypes, devices, scalar types); later calls with
-the same signature get a new fake tensor with the same metadata, which skips
-the fake dispatch (a 1000-layer model records ~8000 such ops).
+accepts are recorded. Rules repeat the same ops for every gradient, so a
+functional op (no mutation, no aliasing, output shape not data-dependent) gets
+its fake result from a real fake dispatch once per argument *signature*:
+tensors' shapes, strides, dtypes and devices, and the other arguments' values
+(only the Python type of a scalar operand of a pointwise op). Later calls with
+the same signature get a new fake tensor with the same metadata, without the
+dispatch (~13 us instead of 0.1-1 ms; a 1000-layer model records ~10000 ops).
 """
 
 from __future__ import annotations
@@ -38,13 +40,6 @@ from passes import PREFIX, TAG
 
 aten = torch.ops.aten
 
-# Ops that return a new tensor whose metadata is a function of the arguments' shapes,
-# strides, dtypes and devices and the types of scalar arguments, and nothing else.
-_SIGNATURE_DETERMINED = {
-    aten.abs.default, aten.add.Tensor, aten.amax.default, aten.clamp_max.default, aten.clamp_min.default,
-    aten.div.Tensor, aten.maximum.default, aten.minimum.default, aten.mul.Tensor, aten.pow.Tensor_Scalar,
-    aten.reciprocal.default, aten.sqrt.default, aten.sub.Tensor, aten.sum.default,
-}
 
 
 class GraphRecorder(TorchDispatchMode):
@@ -107,26 +102,38 @@ class GraphRecorder(TorchDispatchMode):
         return result
 
     def _fake_result(self, func, args, kwargs) -> Any:
-        signature = self._signature(func, args) if func in _SIGNATURE_DETERMINED and not kwargs else None
+        signature = self._signature(func, args, kwargs) if _compat.returns_new_tensors(func) else None
         if signature is None:
             return func(*args, **kwargs)
         known = self._results_by_signature.get(signature)
         if known is None:
-            known = self._results_by_signature[signature] = func(*args)
+            known = self._results_by_signature[signature] = func(*args, **kwargs)
             return known
-        return _compat.new_fake_like(self.fake_mode, known)
+        if isinstance(known, torch.Tensor):
+            return _compat.new_fake_like(self.fake_mode, known)
+        return type(known)(_compat.new_fake_like(self.fake_mode, k) for k in known)
 
-    def _signature(self, func, args) -> tuple | None:
+    def _signature(self, func, args, kwargs) -> tuple | None:
         """What the result's metadata depends on, or None if an argument is not a plain value."""
-        signature: list = [func]
-        for arg in args:
-            if isinstance(arg, (bool, int, float)):
-                signature.append(type(arg))
-            elif _compat.fake_of(arg, self.fake_mode) and all(isinstance(n, int) for n in arg.shape):
-                signature.append((arg.shape, arg.stride(), arg.dtype, arg.device))
-            else:
-                return None
-        return tuple(signature)
+        by_type = torch.Tag.pointwise in func.tags  # a scalar operand's value cannot change the shape
+
+        def key(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if not _compat.fake_of(value, self.fake_mode) or not all(isinstance(n, int) for n in value.shape):
+                    raise _NotPlain
+                return (value.shape, value.stride(), value.dtype, value.device)
+            if isinstance(value, (list, tuple)):
+                return tuple(key(v) for v in value)
+            if isinstance(value, (bool, int, float)):
+                return type(value) if by_type else (type(value), value)
+            if value is None or isinstance(value, (str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+                return value
+            raise _NotPlain
+
+        try:
+            return (func, key(args), tuple(sorted((name, key(v)) for name, v in kwargs.items())))
+        except _NotPlain:
+            return None
 
     def _record(self, func, args, kwargs, result) -> torch.fx.Node:
         map_arg = lambda a: self.node(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
@@ -146,3 +153,8 @@ class GraphRecorder(TorchDispatchMode):
         node.meta["stack_trace"] = f"fxgrad: {self.label}\n"
         if isinstance(value, torch.Tensor):
             self._nodes[id(value)] = (value, node)
+
+
+class _NotPlain(Exception):
+    """An argument whose effect on the result's metadata is unknown (a SymInt, a subclass)."""
+

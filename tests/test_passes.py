@@ -80,7 +80,8 @@ def test_rule_with_tensor_constant_is_rejected():
 
 
 def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
-    """The recorder reuses fake results per signature; each must match a real fake dispatch."""
+    """The recorder reuses fake results per signature; each must match a real fake dispatch
+    (pointwise ops, reductions, padding, casts, factory ops from decompositions)."""
 
     def layouts(x):
         return (x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), x[0, 0].t(), x[0, 0, 0],
@@ -98,6 +99,8 @@ def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
                 for b in values:
                     results += [a * b, a + b, torch.maximum(a, b.to(a.dtype)) if a.dim() >= b.dim() else a - b]
                 results += [(a * 0.5).sum(), a.abs().amax(), a.clamp_max(1.0).sqrt().reciprocal(), a.pow(3.0) / 2]
+                results += [torch.nn.functional.pad(a.reshape(-1), (1, 2)), a.sum(dim=0), a.to(torch.float64),
+                            torch.where(a > 0, a, 0.0), torch.linalg.vector_norm(a, dim=-1, keepdim=True)]
         return results
 
     record(gm, fake_mode, outputs, rule)
