@@ -187,7 +187,8 @@ class Backend:
         if self.keep_code:
             graph.backward_before = normalize_code(gm.code)
         tensors = {p.name: p.tensor for p in graph.params}
-        rewrite_backward(gm, plan, outputs, self.store, self.scaler, lambda names: [tensors[n]() for n in names])
+        rewrite_backward(gm, plan, outputs, self.store, self.scaler, lambda names: [tensors[n]() for n in names],
+                         self.registry.frame_index(graph))
         if self.keep_code:
             self._keep_code(graph, gm, outputs, has_grad)
 
@@ -237,7 +238,7 @@ class Backend:
     def stats(self) -> dict[str, torch.Tensor]:
         """The latest step's statistics: ``{name: 0-dim tensor}``, on the device.
 
-        A snapshot (one copy per group, no host sync) that loggers take as is;
+        A snapshot (one copy of the statistics buffer, no host sync) that loggers take as is;
         ``.item()`` is a host sync, so read the values every N steps, not every step::
 
             if step % 100 == 0:
@@ -247,15 +248,12 @@ class Backend:
         ``grad_norm/total_clipped`` are the global norm before and after the
         policy when :func:`fxgrad.monitor` is in it (derived from its per-layer
         norms, so they span graph breaks); otherwise the norm a global clipping
-        transform saw, and after it.
+        transform saw, and after it. Layers without a gradient in the latest
+        step (frozen, or in a branch not taken) have no entries.
         """
-        snapshot = {}
-        for group in self.store.stats.values():
-            copy = group.buffer.clone()
-            for key, (offset, _) in group.layout.items():
-                snapshot[key] = copy[offset]
-        for prefix, total in (("grad_norm/", "grad_norm/total"), ("grad_norm_clipped/", "grad_norm/total_clipped")):
-            layers = [v for k, v in snapshot.items() if k.startswith(prefix) and not k.startswith("grad_norm/total")]
+        snapshot = self.store.latest_stats()
+        for statistic, total in (("grad_norm", "grad_norm/total"), ("grad_norm_clipped", "grad_norm/total_clipped")):
+            layers = [v for k, v in snapshot.items() if (self.store.layer_stat(k) or ("",))[0] == statistic]
             if layers:  # monitor's view (before / after the whole policy) wins
                 snapshot[total] = torch.stack(layers).square().sum().sqrt()
         return dict(sorted(snapshot.items()))

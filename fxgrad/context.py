@@ -28,13 +28,21 @@ Shape = tuple[int, ...]
 
 
 class GraphContext:
-    """Shared by the routes of one backward graph: store, device, loss scale, stats."""
+    """Shared by the routes of one backward graph: store, device, loss scale, stats.
+
+    State entries are per transform and, for per-layer values, per layer, so
+    every recompile of the same code updates the same EMAs and histories. A
+    transform's shared entries (a threshold, a history) are also per compiled
+    ``frame``: ``0`` for the first frame, ``k`` for the k-th other one (the
+    code after a graph break), whose keys end in ``@frame<k>``.
+    """
 
     def __init__(self, store: StateStore, device: torch.device, scaler: Any = None,
-                 params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None) -> None:
+                 params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None, frame: int = 0) -> None:
         self.store, self.device = store, device
         self.params = params
-        self._stats: dict[str, torch.Tensor] = {}
+        self.frame = frame
+        self._stats: dict[str, tuple[str, str] | None] = {}  # key -> (statistic, layer) if per layer
         self._stat_order: list[tuple[list[str], torch.Tensor]] = []
         self.scale: torch.Tensor | None = None
         if scaler is not None:
@@ -45,18 +53,27 @@ class GraphContext:
     def route(self, index: int, name: str, layers: Sequence[Layer], executor: Any) -> RouteContext:
         return RouteContext(self, f"{index}.{name}", index, layers, executor)
 
-    def emit(self, keys: list[str], value: torch.Tensor, index: int) -> None:
-        keys = [key if key not in self._stats else f"{key}@{index}" for key in keys]
-        self._stats.update(dict.fromkeys(keys))
-        self._stat_order.append((keys, value))
+    def emit(self, keys: list[str], value: torch.Tensor, index: int,
+             layer_of: Sequence[tuple[str, str]] | None = None) -> None:
+        """Statistics ``keys`` with values ``value``; ``layer_of`` gives each key's
+        ``(statistic, layer)`` when they are per-layer values."""
+        named = []
+        for i, key in enumerate(keys):
+            if key in self._stats:  # a second transform reporting it: named apart, not in the totals
+                key, found = f"{key}@{index}", None
+            else:
+                found = layer_of[i] if layer_of is not None else None
+            self._stats[key] = found
+            named.append(key)
+        self._stat_order.append((named, value))
 
     def finish(self) -> None:
         """Record the save of this graph's statistics."""
         if not self._stat_order:
             return
         keys = [key for keys, _ in self._stat_order for key in keys]
-        group = self.store.group("stats", ("stats", tuple(keys)), [(k, (), 0.0) for k in keys], self.device,
-                                 stats=True)
+        per_layer = {key: found for key, found in self._stats.items() if found is not None}
+        group = self.store.stats_group(keys, self.device, per_layer)
         torch.ops.fxgrad.save_state(group.name, flat(value for _, value in self._stat_order))
 
 
@@ -89,10 +106,10 @@ class RouteContext:
         """
         shared, per_layer = shared or {}, per_layer or {}
         names = [layer.name for layer in self.layers]
-        entries = [(f"{self.key}/{n}", shape, init) for n, (shape, init) in shared.items()]
+        frame = f"@frame{self.graph.frame}" if self.graph.frame else ""
+        entries = [(f"{self.key}/{n}{frame}", shape, init) for n, (shape, init) in shared.items()]
         entries += [(f"{self.key}/{n}/{layer}", (), init) for n, init in per_layer.items() for layer in names]
-        group = self.graph.store.group(self.key, (self.key, tuple(names), tuple(shared), tuple(per_layer)),
-                                       entries, self.graph.device)
+        group = self.graph.store.group(self.key, entries, self.graph.device)
         buffer = torch.ops.fxgrad.load_state(group.name)
         values, offset = {}, 0
         for n, (shape, _) in shared.items():
@@ -119,7 +136,8 @@ class RouteContext:
 
     def emit_per_layer(self, name: str, values: torch.Tensor) -> None:
         """One statistic per layer, ``backend.stats()[f"{name}/{layer}"]``."""
-        self.graph.emit([f"{name}/{layer.name}" for layer in self.layers], values, self.index)
+        layers = [layer.name for layer in self.layers]
+        self.graph.emit([f"{name}/{layer}" for layer in layers], values, self.index, [(name, layer) for layer in layers])
 
     def after_policy(self, callback: Callable[[list], None]) -> None:
         """Call ``callback(stats)`` with the L2 :class:`~fxgrad.norms.NormStats` of this

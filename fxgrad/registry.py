@@ -23,16 +23,23 @@ class GraphRegistry:
         self.graphs: list[CapturedGraph] = []
         self.roots: dict[int, Root] = {}
         self._forward_order: dict[str, None] = {}  # layer names, first use first
+        self._frames: dict[int | None, int] = {}  # Dynamo frame id -> its number here, first compiled first
 
     def add(self, graph: CapturedGraph) -> None:
         # Dynamo discards the graphs of an analysis it restarted (same compile id).
         self.graphs = [g for g in self.graphs if g.compile_id != graph.compile_id or g.attempt >= graph.attempt]
         self.graphs.append(graph)
+        self._frames.setdefault(graph.compile_id[0], len(self._frames))
         self._forward_order.update(dict.fromkeys(p.layer for p in graph.params))
 
     def forward_order(self) -> list[str]:
         """Layer names in the order the compiled forward first used them."""
         return list(self._forward_order)
+
+    def frame_index(self, graph: CapturedGraph) -> int:
+        """0 for the first frame this backend compiled, 1 for the next, ...: recompiles
+        of one frame share its number; the code after a graph break is a new frame."""
+        return self._frames.get(graph.compile_id[0], 0)
 
     def parts_of_same_forward(self, graph: CapturedGraph) -> list[CapturedGraph]:
         """Other graphs of the same models that run in the same forward as ``graph``.

@@ -31,12 +31,14 @@ def rewrite_backward(
     store: StateStore,
     scaler: Any = None,
     params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
+    frame: int = 0,
 ) -> None:
     """Insert the plan's rules before ``gm``'s output and return their results instead.
 
     ``store`` holds the transforms' device state; ``scaler`` is the GradScaler
     whose scale the gradients carry, if any; ``params(names)`` returns the
-    parameters with those qualified names (for transforms that read weights).
+    parameters with those qualified names (for transforms that read weights);
+    ``frame`` numbers the compiled frame (see :class:`~fxgrad.context.GraphContext`).
     """
     routes = [(i, route) for i, route in enumerate(plan.routes) if route.layers]
     if not routes:
@@ -48,7 +50,7 @@ def rewrite_backward(
     set_label = lambda label: setattr(recorder, "label", label)  # noqa: E731
     with recorder.recording():
         set_label("loss scale")
-        graph = GraphContext(store, values[0].device, scaler, params)
+        graph = GraphContext(store, values[0].device, scaler, params, frame)
         Executor(grads, graph, set_label).run(routes)
         set_label("statistics")
         graph.finish()

@@ -1,19 +1,23 @@
 """Device-side state: what transforms carry from one step to the next.
 
-State lives in flat float64 buffers on the gradients' device, one buffer per
-*group* (a transform's state over a set of layers, or a graph's statistics).
-The compiled backward reads a group with the custom op
-``fxgrad::load_state(group)`` and writes it back with
+Every entry (``"2.autoclip/history"``, ``"0.monitor/mean/fc1"``) has exactly
+one place in a flat float64 buffer on the gradients' device. A compiled
+backward reads the entries it needs as one *group* with the custom op
+``fxgrad::load_state(group)`` and writes them back with
 ``fxgrad::save_state(group, value)``; both run inside the compiled graph, so
 thresholds, EMAs and loss scales change every step with no host sync and no
 recompile. The group name is a constant of the graph; the values are not.
 
-    store = StateStore()
-    group = store.group("0.monitor", [("mean", (), 0.0)], device)
-    group.view("mean")          # a live view of the device buffer
+Groups of different graphs may share entries: when a recompile drops a frozen
+layer, the new graph's group holds the other layers' entries, and both graphs
+update the same EMAs and histories::
 
-Keys are strings (``"2.autoclip/history"``, ``"0.monitor/ema_mean/fc1"``);
-:meth:`StateStore.state_dict` maps them to tensors for checkpoints.
+    store = StateStore()
+    a = store.group("0.monitor", [("0.monitor/mean/fc1", (), 0.0), ("0.monitor/mean/fc2", (), 0.0)], device)
+    b = store.group("0.monitor", [("0.monitor/mean/fc2", (), 0.0)], device)   # fc2's entry, shared
+    store.values()["0.monitor/mean/fc2"]        # a live view of the device buffer
+
+:meth:`StateStore.state_dict` maps the keys to tensors for checkpoints.
 """
 
 from __future__ import annotations
@@ -60,40 +64,66 @@ def _save_state_fake(group: str, value: torch.Tensor) -> None:
 torch.fx.node.has_side_effect(torch.ops.fxgrad.save_state.default)
 
 
-class Group:
-    """Named entries packed in one device buffer."""
+class Slots:
+    """Entries at fixed offsets in one growable float64 buffer on one device."""
 
-    def __init__(self, label: str, entries: Sequence[Entry], device: torch.device,
-                 initial: dict[str, torch.Tensor]) -> None:
-        self.name = f"g{next(_NAMES)}"
-        self.label = label
-        self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}
-        offset = 0
-        for key, shape, _ in entries:
-            self.layout[key] = (offset, shape)
-            offset += math.prod(shape)
-        self.numel = offset
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.dtype = torch.float64
+        self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}  # key -> (offset, shape)
         with _compat.outside_dispatch_modes():
-            self.buffer = torch.empty(offset, dtype=torch.float64, device=device)
-            for key, shape, init in entries:
-                self.view(key).copy_(initial[key] if key in initial else torch.full(shape, init))
-        _GROUPS[self.name] = self
+            self.buffer = torch.empty(0, dtype=torch.float64, device=device)
 
-    @property
-    def keys(self) -> list[str]:
-        return list(self.layout)
+    def place(self, entries: Sequence[Entry], initial: dict[str, torch.Tensor]) -> list[int]:
+        """Offsets of every element of ``entries``, appending the keys not placed yet
+        (initialized from ``initial``, else their initial value)."""
+        new = [(key, shape, init) for key, shape, init in entries if key not in self.layout]
+        if new:
+            with _compat.outside_dispatch_modes():
+                values = [initial[key].reshape(shape) if key in initial else torch.full(shape, init)
+                          for key, shape, init in new]
+                pieces = [self.buffer] + [v.to(torch.float64).reshape(-1).to(self.device) for v in values]
+                offset = self.buffer.numel()
+                self.buffer = torch.cat(pieces)
+            for key, shape, _ in new:
+                self.layout[key] = (offset, shape)
+                offset += math.prod(shape)
+        return [start + i for key, _, _ in entries for start, shape in [self.layout[key]]
+                for i in range(math.prod(shape))]
 
     def view(self, key: str) -> torch.Tensor:
         offset, shape = self.layout[key]
         return self.buffer[offset : offset + math.prod(shape)].view(shape)
 
+
+class Group:
+    """The entries one graph loads and saves together, in a fixed order."""
+
+    def __init__(self, label: str, slots: Slots, keys: list[str], positions: list[int],
+                 on_save: Callable[[Group], None] | None = None) -> None:
+        self.name = f"g{next(_NAMES)}"
+        self.label, self.slots, self.keys = label, slots, keys
+        self.numel, self.device, self.dtype = len(positions), slots.device, torch.float64
+        self._on_save = on_save
+        contiguous = positions == list(range(positions[0], positions[0] + len(positions))) if positions else True
+        self._range = (positions[0] if positions else 0, (positions[0] if positions else 0) + len(positions))
+        self._index = None
+        if not contiguous:
+            with _compat.outside_dispatch_modes():
+                self._index = torch.tensor(positions, dtype=torch.long, device=slots.device)
+        _GROUPS[self.name] = self
+
     def load(self) -> torch.Tensor:
-        return self.buffer.clone()
+        if self._index is not None:
+            return self.slots.buffer.index_select(0, self._index)
+        return self.slots.buffer[self._range[0] : self._range[1]].clone()
 
     def save(self, value: torch.Tensor) -> None:
-        self.buffer.copy_(value)
+        if self._index is not None:
+            self.slots.buffer.index_copy_(0, self._index, value)
+        else:
+            self.slots.buffer[self._range[0] : self._range[1]].copy_(value)
+        if self._on_save is not None:
+            self._on_save(self)
 
 
 class ExternalGroup:
@@ -116,21 +146,47 @@ class ExternalGroup:
 
 
 class StateStore:
-    """All state groups of one backend, and checkpoint values waiting for them."""
+    """All state and statistics of one backend, and checkpoint values waiting for them.
+
+    Statistics are 0-dim entries. :meth:`latest_stats` returns those of the
+    latest step: a step starts when a graph writes a per-layer statistic that
+    was already written since the previous start (the next step's first
+    graph); graphs of one step (graph breaks) hold different layers.
+    """
 
     def __init__(self) -> None:
-        self.groups: dict[tuple, Group] = {}
-        self.stats: dict[tuple, Group] = {}
+        self._state: dict[torch.device, Slots] = {}
+        self._stats: dict[torch.device, Slots] = {}
+        self._groups: dict[tuple, Group] = {}
         self.external: dict[tuple, ExternalGroup] = {}
         self._pending: dict[str, torch.Tensor] = {}
+        self._layer_stats: dict[str, tuple[str, str]] = {}  # per-layer statistic key -> (statistic, layer)
+        self._step_stats: dict[str, None] = {}  # keys written in the latest step, in order
 
-    def group(self, label: str, key: tuple, entries: Sequence[Entry], device: torch.device, *,
-              stats: bool = False) -> Group:
-        """The group for ``key``, created with ``entries`` the first time."""
-        table = self.stats if stats else self.groups
-        if key not in table:
-            table[key] = Group(label, entries, device, {} if stats else self._pending)
-        return table[key]
+    def group(self, label: str, entries: Sequence[Entry], device: torch.device) -> Group:
+        """The group of ``entries`` (state), placing entries seen for the first time."""
+        return self._group(label, entries, device, self._state, self._pending, None)
+
+    def stats_group(self, keys: Sequence[str], device: torch.device, per_layer: dict[str, tuple[str, str]]) -> Group:
+        """The group of 0-dim statistics ``keys``; ``per_layer`` maps those that are one
+        layer's value of a statistic to ``(statistic, layer)``."""
+        self._layer_stats.update(per_layer)
+        return self._group("stats", [(k, (), 0.0) for k in keys], device, self._stats, {}, self._stats_saved)
+
+    def _group(self, label: str, entries: Sequence[Entry], device: torch.device, table: dict[torch.device, Slots],
+               initial: dict[str, torch.Tensor], on_save: Callable[[Group], None] | None) -> Group:
+        keys = [key for key, _, _ in entries]
+        found = self._groups.get((id(table), device, tuple(keys)))
+        if found is None:
+            slots = table.setdefault(device, Slots(device))
+            found = Group(label, slots, keys, slots.place(entries, initial), on_save)
+            self._groups[(id(table), device, tuple(keys))] = found
+        return found
+
+    def _stats_saved(self, group: Group) -> None:
+        if any(key in self._step_stats and key in self._layer_stats for key in group.keys):
+            self._step_stats = {}
+        self._step_stats.update(dict.fromkeys(group.keys))
 
     def external_group(self, label: str, key: tuple, read: Callable[[], torch.Tensor], numel: int,
                        device: torch.device, dtype: torch.dtype = torch.float64) -> ExternalGroup:
@@ -141,8 +197,22 @@ class StateStore:
 
     def values(self, stats: bool = False) -> dict[str, torch.Tensor]:
         """Live views of every entry, by key."""
-        table = self.stats if stats else self.groups
-        return {key: group.view(key) for group in table.values() for key in group.keys}
+        table = self._stats if stats else self._state
+        return {key: slots.view(key) for slots in table.values() for key in slots.layout}
+
+    def latest_stats(self) -> dict[str, torch.Tensor]:
+        """Copies of the statistics the latest step wrote (one copy per device, no sync)."""
+        copies = {device: slots.buffer.clone() for device, slots in self._stats.items()}
+        out = {}
+        for device, slots in self._stats.items():
+            for key, (offset, _) in slots.layout.items():
+                if key in self._step_stats:
+                    out[key] = copies[device][offset]
+        return out
+
+    def layer_stat(self, key: str) -> tuple[str, str] | None:
+        """``(statistic, layer)`` for a per-layer statistic's key."""
+        return self._layer_stats.get(key)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of every state entry (not statistics), plus values not yet placed."""

@@ -5,6 +5,8 @@ reimplementation that keeps its state in Python (tests/reference.py).
 """
 
 import copy
+import math
+import warnings
 
 import pytest
 import torch
@@ -67,7 +69,8 @@ def test_stats_are_device_tensors_and_a_snapshot():
     assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in stats.values())
     assert stats["grad_norm/total_clipped"].item() == pytest.approx(1e-3, rel=1e-4)
     before = stats["clip_coef"].clone()
-    backend.store.stats[next(iter(backend.store.stats))].buffer.zero_()
+    for live in backend.store.values(stats=True).values():
+        live.zero_()
     assert torch.equal(stats["clip_coef"], before)  # later steps don't change a snapshot
 
 
@@ -230,3 +233,40 @@ def test_two_backends_never_share_state():
     model = models.MLP()
     models.loss_of(a.compile(model)(torch.randn(4, 16))).backward()
     assert a.state_dict() and not b.state_dict()
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_state_and_stats_survive_a_layer_frozen_every_other_step(scope):
+    """Freezing a layer on alternate steps recompiles without it; the other graph keeps
+    using the same state (one history, one EMA per layer, one checkpoint entry each) and
+    stats() describes the latest step only."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    autoclip, monitor = ref.AutoClip(90, 8, 0.1), ref.Monitor(0.9, 3.0, 10)
+    backend = fxgrad.backend(fxgrad.chain(fxgrad.monitor(), fxgrad.autoclip(history=8)),
+                             compiler="aot_eager", scope=scope)
+    compiled = backend.compile(model)
+    for step, x, weight in batches(8, spikes=(5,)):
+        for m in (model, eager):
+            m.net[3].requires_grad_(step % 2 == 0)
+            m.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fxgrad.CoverageWarning)  # "net.3 is frozen"
+            (models.loss_of(compiled(x)) * weight).backward()
+            if scope == "step":
+                backend.step()
+        (models.loss_of(eager(x)) * weight).backward()
+        expected = monitor.step(eager)
+        tau = autoclip.step(eager)
+        assert_grads_close(model, eager)
+        stats = backend.stats()
+        assert ("grad_norm/net.3" in stats) == (step % 2 == 0)
+        for layer, values in expected.items():
+            assert stats[f"grad_norm_ema/{layer}"].item() == pytest.approx(values["grad_norm_ema"], rel=1e-5)
+        assert stats["autoclip/threshold"].item() == pytest.approx(tau, rel=1e-5)
+        assert stats["grad_norm/total"].item() == pytest.approx(
+            math.sqrt(sum(v["grad_norm"] ** 2 for v in expected.values())), rel=1e-5)
+    state = backend.state_dict()
+    assert state["1.autoclip/count"].item() == 8
+    assert state["0.monitor/count/net.0"].item() == 8 and state["0.monitor/count/net.3"].item() == 4
