@@ -15,7 +15,10 @@ def real_number(name: str, value: Any) -> float:
     """``value`` as a float; ``TypeError`` for bools, strings, tensors, ..."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    result = float(value)
+    try:
+        result = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is too large for a float, got {value!r}") from None
     if math.isnan(result):
         raise ValueError(f"{name} must not be NaN")
     return result

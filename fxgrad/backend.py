@@ -30,7 +30,7 @@ import torch.nn as nn
 import passes
 from fxgrad import _compat
 from fxgrad.base import Transform
-from fxgrad.capture import CapturedGraph, capture
+from fxgrad.capture import CapturedGraph, Root, capture
 from fxgrad.coverage import CoverageCheck
 from fxgrad.graphtext import normalize_code, render_inserted
 from fxgrad.layers import DEFAULT_SKIP, SkipEntry, validate_skip
@@ -84,6 +84,7 @@ class Backend:
         self.store = StateStore()
         self.registry = GraphRegistry()
         self._models: list[weakref.ref] = []  # models given to compile() or step()
+        self._graph_runs = 0  # calls of compiled forwards
         in_graph = transform is not None and scope != "step"
         self._coverage = CoverageCheck(transform, self.skip, strict) if in_graph else None
         self._step = None  # runs the policy on .grad in step scope
@@ -116,32 +117,58 @@ class Backend:
             self._coverage.compiled_autograd()
         graph = capture(gm, example_inputs, self.registry.roots)
         self.registry.add(graph)
+        if graph.renamed_roots and self._coverage is not None:
+            self._coverage.warn(
+                f"fxgrad: a graph's outermost module shares layer names with another module, so its layers "
+                f"are named {', '.join(graph.renamed_roots)}.<layer> (by_name patterns will not match them). "
+                "This happens when a graph break inside a submodule's forward makes Dynamo compile that "
+                "forward alone: compile the model with backend.compile(model) so fxgrad knows its names."
+            )
         rewrite = functools.partial(self._rewrite_backward, graph)
         with _compat.autograd_cache_bypassed():
-            return COMPILERS[self.compiler](gm, example_inputs, rewrite)
+            compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite)
+
+        @functools.wraps(compiled)
+        def run(*args: Any) -> Any:
+            self._graph_runs += 1  # lets compile() see forwards that ran no compiled graph
+            return compiled(*args)
+
+        return run
 
     def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         """``torch.compile(model, backend=self, **compile_kwargs)``, plus a check.
 
-        After the first forward, it verifies that some graph of ``model``
-        reached this backend. If none did (e.g. an ``nn.LSTM`` model under
-        Dynamo's default ``allow_rnn=False`` runs entirely eagerly), the policy
-        would do nothing: it warns, or raises :class:`fxgrad.CoverageError`
-        when ``strict`` and the policy reduces across layers.
+        Every forward with gradients enabled (and the first in any case) must run
+        a graph this backend compiled. If none did, the policy did nothing: e.g.
+        an ``nn.LSTM`` model under Dynamo's default ``allow_rnn=False`` runs
+        entirely eagerly, and Dynamo runs a frame eagerly once it was recompiled
+        ``recompile_limit`` times. It warns, or raises
+        :class:`fxgrad.CoverageError` when ``strict`` and the policy reduces
+        across layers. Layer names are relative to ``model``.
         """
         compiled = torch.compile(model, backend=self, **compile_kwargs)
         self._models.append(weakref.ref(model))
-        handle = None
-
-        def check_once(module: nn.Module, args: Any, output: Any) -> None:
-            handle.remove()
-            if self._coverage is not None:
-                self._coverage.model_reached(self.registry, model)
-
-        handle = compiled.register_forward_hook(check_once)
+        self.registry.roots.setdefault(id(model), Root(weakref.ref(model), ""))
         if self._coverage is not None:
+            self._watch_forwards(compiled, model)
             self._watch_accumulation(compiled, model)
         return compiled
+
+    def _watch_forwards(self, compiled: nn.Module, model: nn.Module) -> None:
+        """Check that each forward ran a graph of this backend (a counter; no sync)."""
+        runs_before = [0]
+        first = [True]
+
+        def before(module: nn.Module, args: Any) -> None:
+            runs_before[0] = self._graph_runs
+
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            if self._graph_runs == runs_before[0] and (first[0] or torch.is_grad_enabled()):
+                self._coverage.ran_eagerly(model, first[0])
+            first[0] = False
+
+        compiled.register_forward_pre_hook(before)
+        compiled.register_forward_hook(after)
 
     def _watch_accumulation(self, compiled: nn.Module, model: nn.Module) -> None:
         """Warn once if a forward starts with gradients already there (accumulation).
@@ -156,7 +183,7 @@ class Backend:
         handle = None
 
         def check(module: nn.Module, args: Any) -> None:
-            if first.grad is not None and self.current_scope() == "graph":
+            if first.grad is not None and torch.is_grad_enabled() and self.current_scope() == "graph":
                 handle.remove()
                 self._coverage.warn(
                     "fxgrad: a forward started while .grad still held a gradient. If you accumulate "

@@ -71,6 +71,8 @@ class CapturedGraph:
     layers: list = dataclasses.field(default_factory=list)
     routes: list = dataclasses.field(default_factory=list)
     gaps: list = dataclasses.field(default_factory=list)
+    # Prefixes given to modules whose layer names other modules already had:
+    renamed_roots: list = dataclasses.field(default_factory=list)
 
     def param_names(self) -> set[str]:
         return {p.name for p in self.params}
@@ -97,17 +99,26 @@ def capture(
             f"graph has {len(placeholders)} inputs but the backend got {len(example_inputs)} values"
         )
     scope = _compat.current_frame_scope()
+    owners = {key: parameter_owners(root.module(), root.prefix)
+              for key, root in roots.items() if root.module() is not None}
     found = []
     for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
         if isinstance(value, nn.Parameter):
             chain = _compat.source_chain(node)
-            found.append((index, value, chain, _find_root(chain, scope)))
+            # A known model first: in a frame compiled after a graph break inside a
+            # submodule's forward, the outermost module in scope is that submodule.
+            home = next((roots[key].module() for key, known in owners.items() if id(value) in known), None)
+            found.append((index, value, chain, home if home is not None else _find_root(chain, scope)))
     modules = {id(root): (root, chain[0]) for _, _, chain, root in found if root is not None}
+    renamed = []
     for key, (module, source) in modules.items():
         if key not in roots:
             prefix = _variable_name(source) if len(modules) > 1 else ""
+            if _names_taken(parameter_owners(module, prefix), owners):
+                prefix = f"{type(module).__name__}#{len(roots)}"
+                renamed.append(prefix)
             roots[key] = Root(weakref.ref(module), prefix)
-    owners = {key: parameter_owners(module, roots[key].prefix) for key, (module, _) in modules.items()}
+            owners[key] = parameter_owners(module, prefix)
     params = []
     for index, value, chain, root in found:
         owner = owners[id(root)].get(id(value)) if root is not None else None
@@ -126,7 +137,13 @@ def capture(
             )
         )
     compile_id, attempt = _compat.compile_id(gm)
-    return CapturedGraph(compile_id, attempt, len(placeholders), params)
+    return CapturedGraph(compile_id, attempt, len(placeholders), params, renamed_roots=renamed)
+
+
+def _names_taken(new: dict[int, Owner], known: dict[int, dict[int, Owner]]) -> bool:
+    """Whether other parameters already have some of the layer names in ``new``."""
+    taken = {owner.layer for key_owners in known.values() for pid, owner in key_owners.items() if pid not in new}
+    return any(owner.layer in taken for owner in new.values())
 
 
 def _find_root(chain: list[str], scope: tuple[dict, dict] | None) -> nn.Module | None:

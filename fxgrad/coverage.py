@@ -63,7 +63,7 @@ def find_gaps(
     ``intended`` and ``actual`` come from the same policy, so they line up
     index by index. ``shared_layers`` are layers with a parameter that another
     graph of the same forward also uses; ``elsewhere`` are layers that another
-    graph of the same forward holds (per-layer transforms reach them there);
+    compiled graph holds (per-layer transforms reach them there);
     ``locate(layer_name)`` says where a missing layer is.
     """
     gaps = []
@@ -164,20 +164,22 @@ class CoverageCheck:
         if frozen_targeted:
             names = ", ".join(layer.name for layer in frozen_targeted[:20])
             more = f" and {len(frozen_targeted) - 20} more" if len(frozen_targeted) > 20 else ""
-            self.warn(
-                f"fxgrad: {len(frozen_targeted)} layers the policy targets are frozen "
-                f"(requires_grad=False) and get no gradient: {names}{more}"
-            )
+            count = "1 layer the policy targets is" if len(frozen_targeted) == 1 else \
+                f"{len(frozen_targeted)} layers the policy targets are"
+            self.warn(f"fxgrad: {count} frozen (requires_grad=False) and get no gradient: {names}{more}")
 
-    def model_reached(self, registry: GraphRegistry, model: nn.Module) -> None:
-        """After a first forward: complain if no graph of ``model`` reached the backend."""
-        if registry.reached(model) or not any(p.requires_grad for p in model.parameters()):
+    def ran_eagerly(self, model: nn.Module, first: bool) -> None:
+        """A forward of ``model`` ran no graph of this backend: the policy did nothing."""
+        if not any(p.requires_grad for p in model.parameters()):
             return
         layers = build_layers(model_rows(model, "")[0], (), self.skip)
-        message = (
-            f"fxgrad: no graph of {type(model).__name__} reached the backend, so torch.compile "
-            f"ran it eagerly and the policy {self.transform!r} does nothing.{rnn_hint(layers)}"
-        )
+        if first:
+            why = f"no graph of {type(model).__name__} reached the backend, so torch.compile ran it eagerly"
+        else:
+            why = (f"a forward of {type(model).__name__} ran no compiled graph: Dynamo ran it eagerly, as it "
+                   "does once a frame was recompiled torch._dynamo.config.recompile_limit times (e.g. once "
+                   "per new input shape; mark the dimension dynamic or raise the limit)")
+        message = f"fxgrad: {why}, and the policy {self.transform!r} does nothing.{rnn_hint(layers)}"
         if self.strict and any(route.leaf.scope == "group" for route in self.transform.routes(layers)):
             raise CoverageError(message)
         self.warn(message)

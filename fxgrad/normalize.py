@@ -211,7 +211,7 @@ def multi_normalize(
     else:  # the schedule replaces `norms`
         pieces = _piecewise("schedule", schedule, _norm_list)
     threshold = _validate.non_negative("switching_threshold", switching_threshold)
-    thresholds = _piecewise("threshold_schedule", threshold_schedule or {0: threshold},
+    thresholds = _piecewise("threshold_schedule", {0: threshold} if threshold_schedule is None else threshold_schedule,
                             lambda name, v: _validate.non_negative(name, v))
     return MultiNormalize(pieces, thresholds, _validate.positive("scale", scale, allow_inf=False),
                           _validate.positive("eps", eps, allow_inf=False))

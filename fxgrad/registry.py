@@ -10,8 +10,6 @@ graph, or nowhere.
 
 from __future__ import annotations
 
-import torch.nn as nn
-
 from fxgrad.capture import CapturedGraph, Root
 from fxgrad.layers import Layer, ParamRow, SkipEntry, build_layers, model_rows
 
@@ -60,8 +58,10 @@ class GraphRegistry:
         ]
 
     def layers_elsewhere(self, graph: CapturedGraph) -> set[str]:
-        """Layers that other graphs of the same forward hold."""
-        return {p.layer for part in self.parts_of_same_forward(graph) for p in part.params}
+        """Layers that other compiled graphs hold: the other parts of a forward split by a
+        graph break, and recompiles (of a branch, or of a submodule's frame for another
+        instance). A per-layer transform reaches them in the graph that holds them."""
+        return {p.layer for other in self.graphs if other is not graph for p in other.params}
 
     def shared_layers(self, graph: CapturedGraph, has_grad: set[int]) -> set[str]:
         """Layers with a parameter that another graph of the same forward also uses."""
@@ -104,7 +104,3 @@ class GraphRegistry:
         frozen = [row for row in frozen if row.layer in frozen_layers]
         order = self.forward_order()
         return build_layers(trainable, order, skip), build_layers(frozen, order, skip)
-
-    def reached(self, model: nn.Module) -> bool:
-        """Whether some compiled graph used ``model``'s parameters."""
-        return any(root.module() is model for root in self.roots.values())

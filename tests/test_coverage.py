@@ -149,3 +149,81 @@ def test_explain_names_uncaptured_layers():
     actions = {row.name: row.action for row in report.layers}
     assert actions["fc2"].startswith("not captured: in no compiled graph")
     assert any("would see only part" in w for w in report.warnings)
+
+
+class Body(nn.Module):
+    """A graph break inside a submodule's forward: Dynamo compiles this frame on its own."""
+
+    def __init__(self, scale=1.0):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.fc.weight.mul_(scale)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        torch._dynamo.graph_break()
+        return x + h
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Body(1.0), Body(0.01)])  # very different weight norms
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("transform, reference", [
+    (fxgrad.adaptive_grad_clip(0.01), lambda m: ref.agc(m, 0.01)),
+    (fxgrad.by_name({"blocks.0.*": fxgrad.clip_by_norm(1e-3)}, default=fxgrad.clip_by_norm(1e-2)),
+     lambda m: (ref.clip_per_layer(m, 1e-3, select=lambda name, _: name.startswith("blocks.0")),
+                ref.clip_per_layer(m, 1e-2, select=lambda name, _: name.startswith("blocks.1")))),
+])
+def test_layers_of_a_submodule_frame_keep_the_models_names(transform, reference):
+    """Dynamo compiles each Body.forward as its own frame (the loop's frame is skipped); the
+    layers are still named after the compiled model, so AGC reads each block's own weights."""
+    torch.manual_seed(0)
+    model = Blocks()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(transform, compiler="aot_eager")
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        models.loss_of(backend.compile(model)(x)).backward()
+    assert sorted(layer.name for graph in backend.graphs for layer in graph.layers) == ["blocks.0.fc", "blocks.1.fc"]
+    models.loss_of(eager(x)).backward()
+    reference(eager)
+    assert_grads_close(model, eager)
+
+
+def test_forward_run_eagerly_after_the_recompile_limit_is_reported():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager")
+    compiled = backend.compile(model, dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for batch in (2, 3):
+            model.zero_grad()
+            compiled(torch.randn(batch, 8)).sum().backward()
+        model.zero_grad()
+        with pytest.raises(fxgrad.CoverageError, match="recompile_limit"):
+            compiled(torch.randn(4, 8)).sum().backward()
+        with torch.no_grad():
+            compiled(torch.randn(5, 8))  # inference: no policy to miss
+
+
+def test_a_second_instance_that_reuses_the_graph_is_not_reported():
+    first, second = models.MLP(), models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    expected = copy.deepcopy(second)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        x = torch.randn(4, 16)
+        models.loss_of(backend.compile(first)(x)).backward()
+        models.loss_of(backend.compile(second)(x)).backward()  # Dynamo reuses the first graph
+    models.loss_of(expected(x)).backward()
+    ref.clip_global(expected, 1e-3)
+    assert_grads_close(second, expected)
