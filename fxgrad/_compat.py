@@ -21,6 +21,7 @@ import torch._guards
 from torch._guards import detect_fake_mode as _detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes
 
@@ -42,6 +43,7 @@ __all__ = [
     "fake_of",
     "new_fake_like",
     "returns_new_tensors",
+    "tensors_in",
     "generated_code",
     "inductor_compile",
     "inductor_decompositions",
@@ -98,6 +100,11 @@ def returns_new_tensors(func: Any) -> bool:
         and all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
         and all(a.alias_info is None for a in schema.arguments)
     )
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a nested output (tuples, dicts, Hugging Face ``ModelOutput``)."""
+    return [leaf for leaf in _pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 def inductor_compile(
     gm: torch.fx.GraphModule, example_inputs: list, rewrite_backward: BackwardRewrite

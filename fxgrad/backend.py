@@ -39,6 +39,7 @@ from fxgrad.registry import GraphRegistry
 from fxgrad.rewrite import rewrite_backward
 from fxgrad.state import StateStore
 from fxgrad.step import StepScope, apply_to_grads
+from fxgrad.watch import ForwardWatch
 
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
 SCOPES = ("auto", "graph", "step")
@@ -150,49 +151,9 @@ class Backend:
         self._models.append(weakref.ref(model))
         self.registry.roots.setdefault(id(model), Root(weakref.ref(model), ""))
         if self._coverage is not None:
-            self._watch_forwards(compiled, model)
-            self._watch_accumulation(compiled, model)
+            in_graph = lambda: self.current_scope() == "graph"  # noqa: E731
+            ForwardWatch(model, self._coverage, lambda: self._graph_runs, in_graph).install(compiled)
         return compiled
-
-    def _watch_forwards(self, compiled: nn.Module, model: nn.Module) -> None:
-        """Check that each forward ran a graph of this backend (a counter; no sync)."""
-        runs_before = [0]
-        first = [True]
-
-        def before(module: nn.Module, args: Any) -> None:
-            runs_before[0] = self._graph_runs
-
-        def after(module: nn.Module, args: Any, output: Any) -> None:
-            if self._graph_runs == runs_before[0] and (first[0] or torch.is_grad_enabled()):
-                self._coverage.ran_eagerly(model, first[0])
-            first[0] = False
-
-        compiled.register_forward_pre_hook(before)
-        compiled.register_forward_hook(after)
-
-    def _watch_accumulation(self, compiled: nn.Module, model: nn.Module) -> None:
-        """Warn once if a forward starts with gradients already there (accumulation).
-
-        In-graph transforms act on each backward's gradient, so accumulating
-        micro-batches would transform each micro-batch. Checks one parameter:
-        O(1) per step, no sync.
-        """
-        first = next((p for p in model.parameters() if p.requires_grad), None)
-        if first is None:
-            return
-        handle = None
-
-        def check(module: nn.Module, args: Any) -> None:
-            if first.grad is not None and torch.is_grad_enabled() and self.current_scope() == "graph":
-                handle.remove()
-                self._coverage.warn(
-                    "fxgrad: a forward started while .grad still held a gradient. If you accumulate "
-                    "gradients over micro-batches, scope='graph' transforms each micro-batch's gradient, "
-                    "not their sum: use fxgrad.backend(..., scope='step'), which applies the policy once, "
-                    "at optimizer.step(). (zero_grad() before each forward silences this.)"
-                )
-
-        handle = compiled.register_forward_pre_hook(check)
 
     def _rewrite_backward(self, graph: CapturedGraph, gm: torch.fx.GraphModule) -> None:
         with _gc_paused():

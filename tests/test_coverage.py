@@ -227,3 +227,32 @@ def test_a_second_instance_that_reuses_the_graph_is_not_reported():
     models.loss_of(expected(x)).backward()
     ref.clip_global(expected, 1e-3)
     assert_grads_close(second, expected)
+
+
+def test_two_forwards_before_one_backward_are_reported():
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    compiled = backend.compile(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        for _ in range(2):  # one forward, one backward: silent
+            model.zero_grad()
+            models.loss_of(compiled(torch.randn(4, 16))).backward()
+        with torch.no_grad():
+            compiled(torch.randn(4, 16))
+    model.zero_grad()
+    first = models.loss_of(compiled(torch.randn(4, 16)))
+    with pytest.warns(fxgrad.CoverageWarning, match="before the previous forward's outputs went through backward"):
+        second = models.loss_of(compiled(torch.randn(4, 16)))
+    (first + second).backward()
+
+
+def test_hugging_face_training_steps_raise_no_coverage_warning():
+    model, args, kwargs = models.build("gpt2")
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
+    compiled = backend.compile(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        for _ in range(2):
+            model.zero_grad()
+            models.loss_of(compiled(*args, **kwargs)).backward()

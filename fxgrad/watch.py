@@ -1,0 +1,81 @@
+"""Checks that :meth:`fxgrad.Backend.compile` runs around every forward of the model.
+
+Each is O(1) per step and never syncs. They catch what a backward-graph
+rewrite cannot see from inside the graph:
+
+* a forward that ran no graph of the backend (Dynamo ran it eagerly);
+* a forward that starts while ``.grad`` holds a gradient (accumulation), or
+  before the previous forward's outputs went through ``backward()`` (two
+  forwards, one backward): ``scope="graph"`` then transforms each part, not
+  their sum.
+
+    watch = ForwardWatch(model, coverage, graph_runs=lambda: backend.graph_runs)
+    watch.install(torch.compile(model, backend=backend))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from fxgrad import _compat
+from fxgrad.coverage import CoverageCheck
+
+ACCUMULATING = (
+    "fxgrad: a forward started while .grad still held a gradient. If you accumulate "
+    "gradients over micro-batches, scope='graph' transforms each micro-batch's gradient, "
+    "not their sum: use fxgrad.backend(..., scope='step'), which applies the policy once, "
+    "at optimizer.step(). (zero_grad() before each forward silences this.)"
+)
+
+TWO_FORWARDS = (
+    "fxgrad: a forward of {model} started before the previous forward's outputs went through "
+    "backward(). If one backward() takes both (two views, a contrastive or a GAN loss), "
+    "scope='graph' transforms each forward's gradient on its own, not their sum: use "
+    "fxgrad.backend(..., scope='step'), which applies the policy once, at optimizer.step()."
+)
+
+
+class ForwardWatch:
+    """The per-forward checks of one compiled model.
+
+    ``graph_runs()`` counts calls of the backend's compiled forwards;
+    ``in_graph()`` tells whether the policy runs in the graph (``scope``).
+    """
+
+    def __init__(self, model: nn.Module, coverage: CoverageCheck, graph_runs: Callable[[], int],
+                 in_graph: Callable[[], bool]) -> None:
+        self.model, self.coverage = model, coverage
+        self.graph_runs, self.in_graph = graph_runs, in_graph
+        self._runs_before = 0
+        self._first = True
+        self._awaiting_backward = False
+        self._probe = next((p for p in model.parameters() if p.requires_grad), None)
+
+    def install(self, compiled: nn.Module) -> None:
+        compiled.register_forward_pre_hook(self._before)
+        compiled.register_forward_hook(self._after)
+
+    def _before(self, module: nn.Module, args: Any) -> None:
+        self._runs_before = self.graph_runs()
+        if not torch.is_grad_enabled() or not self.in_graph():
+            return
+        if self._probe is not None and self._probe.grad is not None:
+            self.coverage.warn(ACCUMULATING)
+        elif self._awaiting_backward:
+            self.coverage.warn(TWO_FORWARDS.format(model=type(self.model).__name__))
+
+    def _after(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.graph_runs() == self._runs_before and (self._first or torch.is_grad_enabled()):
+            self.coverage.ran_eagerly(self.model, self._first)
+        self._first = False
+        if torch.is_grad_enabled() and module.training:
+            nodes = {t.grad_fn for t in _compat.tensors_in(output) if t.grad_fn is not None}
+            self._awaiting_backward = bool(nodes)
+            for node in nodes:
+                node.register_prehook(self._backward_reached)
+
+    def _backward_reached(self, grad_outputs: Any) -> None:
+        self._awaiting_backward = False
