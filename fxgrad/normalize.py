@@ -23,7 +23,7 @@ from fxgrad import _validate
 from fxgrad.base import LayerGrads, Leaf, ScaleLeaf
 from fxgrad.context import RouteContext
 from fxgrad.layers import Layer
-from fxgrad.norms import Factor, NormStats, cast, widen
+from fxgrad.norms import Factor, NormStats, cast, l2, widen
 from fxgrad.state import flat
 
 NORMS = ("l2", "linf", "rms")
@@ -264,11 +264,11 @@ class Sinkhorn(Leaf):
             rows, cols = x.shape[0], x.numel() // x.shape[0]
             y = x.reshape(rows, cols)
             for _ in range(self.iters):
-                y = y * (math.sqrt(cols) / (torch.linalg.vector_norm(y, dim=1, keepdim=True) + self.eps))
-                y = y * (math.sqrt(rows) / (torch.linalg.vector_norm(y, dim=0, keepdim=True) + self.eps))
+                y = y * (math.sqrt(cols) / (l2(y, dim=1, keepdim=True) + self.eps))
+                y = y * (math.sqrt(rows) / (l2(y, dim=0, keepdim=True) + self.eps))
             out = y.reshape(x.shape)
         else:
-            out = x * (math.sqrt(x.numel()) / (torch.linalg.vector_norm(x) + self.eps))
+            out = x * (math.sqrt(x.numel()) / (l2(x) + self.eps))
         if scale is not None:  # the result is scale-free; unscale_ will divide by the scale
             out = out * scale.to(out.dtype)
         return cast(out, grad.dtype)

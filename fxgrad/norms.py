@@ -60,6 +60,17 @@ def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     return _reduce([t.abs().pow(p).sum() for t in wide], torch.add)
 
 
+
+def l2(tensor: torch.Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The L2 norm of ``tensor`` (over ``dim``): ``sqrt(sum(t * t))``.
+
+    The ops ``torch.linalg.vector_norm`` decomposes into, written out: recording
+    them skips its Python decomposition (~0.7 ms per call; sinkhorn makes 11 per
+    parameter).
+    """
+    squares = tensor * tensor
+    return (squares.sum() if dim is None else squares.sum(dim, keepdim=keepdim)).sqrt()
+
 def root(value: torch.Tensor, p: float) -> torch.Tensor:
     """The norm from a power sum."""
     if math.isinf(p):

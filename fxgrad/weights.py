@@ -21,7 +21,7 @@ from fxgrad import _validate
 from fxgrad.base import LayerGrads, Leaf, ScaleLeaf
 from fxgrad.context import RouteContext
 from fxgrad.layers import Layer
-from fxgrad.norms import Factor, NormStats, cast, widen
+from fxgrad.norms import Factor, NormStats, cast, l2, widen
 from fxgrad.state import flat
 
 
@@ -49,9 +49,9 @@ class AdaptiveGradClip(Leaf):
     def _one(self, grad: torch.Tensor, weight_norm: torch.Tensor, inverse: torch.Tensor | None) -> torch.Tensor:
         g = widen(grad)
         if g.dim() <= 1:
-            norm = torch.linalg.vector_norm(g)
+            norm = l2(g)
         else:
-            norm = torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim())), keepdim=True)
+            norm = l2(g, dim=tuple(range(1, g.dim())), keepdim=True)
         if inverse is not None:
             norm = norm * inverse.to(norm.dtype)
         bound = weight_norm.to(norm.dtype).clamp_min(self.eps) * self.clipping
