@@ -210,24 +210,31 @@ def run_first_step(model_name: str, policy: str, scale: float, compiler: str, de
     print(variant.first_step()[0])
 
 
-def pass_scaling(sizes) -> list[str]:
-    """fxgrad's own rewrite time for a global clip over MLPs of ``sizes`` layers."""
+PASS_POLICIES = ("global_clip", "full", "agc", "sinkhorn")
+
+
+def pass_scaling(sizes, policies=PASS_POLICIES) -> list[str]:
+    """fxgrad's own rewrite time for ``policies`` over MLPs of ``sizes`` layers."""
     lines = []
     for layers in sizes:
-        _compat.reset_dynamo()
-        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
-        backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
-        rewrite, spent = backend._rewrite_backward, []
+        cells = []
+        for policy in policies:
+            _compat.reset_dynamo()
+            model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+            backend = fxgrad.backend(POLICIES[policy][0], compiler="aot_eager")
+            rewrite, spent = backend._rewrite_backward, []
 
-        def timed(graph, gm, rewrite=rewrite, spent=spent):
-            start = time.perf_counter()
-            rewrite(graph, gm)
-            spent.append(time.perf_counter() - start)
+            def timed(graph, gm, rewrite=rewrite, spent=spent):
+                start = time.perf_counter()
+                rewrite(graph, gm)
+                spent.append(time.perf_counter() - start)
 
-        backend._rewrite_backward = timed
-        backend.compile(model)(torch.randn(2, 8)).sum().backward()
-        lines.append(f"| {layers} | {2 * layers} | {spent[0]:.3f} s |")
-    return ["| layers | gradients | pass time |", "|---|---|---|"] + lines
+            backend._rewrite_backward = timed
+            backend.compile(model)(torch.randn(2, 8)).sum().backward()
+            cells.append(f"{spent[0]:.3f} s")
+        lines.append(f"| {layers} | {2 * layers} | " + " | ".join(cells) + " |")
+    return ["| layers | gradients | " + " | ".join(policies) + " |",
+            "|---|---|" + "---|" * len(policies)] + lines
 
 
 def main() -> None:
@@ -293,20 +300,23 @@ def main() -> None:
         f"- machine: {gpu or platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, autocast {options.dtype}",
         f"- command: `{command.strip()}`",
-        f"- method: variants interleaved in one process (order shuffled each repeat), {repeats} repeats "
-        f"x {steps} steps; each ratio is the median over repeats of the two variants' times in the "
-        "same repeat; warm-up and compilation excluded",
-        "- compile: the first step (compile + run) in a fresh process with empty Inductor caches, "
-        f"fxgrad / plain `torch.compile`, median over {options.compile_samples} rounds of both",
-        "- ratios < 1 mean faster; `extra kernels` counts kernel launches fxgrad adds "
-        "to the compiled backward (negative: Inductor fused more)",
-        "- `module hooks / compiled` (rescale rows): the rescaling article's `register_full_backward_hook` "
-        "per layer, scaling the gradient flowing into each layer by `(1 / ||g||)^0.5`, run under "
-        "compiled autograd as `torch.compile` requires (`bench/policies.py`, `HookRescaled`)",
+        *([
+            f"- method: variants interleaved in one process (order shuffled each repeat), {repeats} repeats "
+            f"x {steps} steps; each ratio is the median over repeats of the two variants' times in the "
+            "same repeat; warm-up and compilation excluded",
+            "- compile: the first step (compile + run) in a fresh process with empty Inductor caches, "
+            f"fxgrad / plain `torch.compile`, median over {options.compile_samples} rounds of both",
+            "- ratios < 1 mean faster; `extra kernels` counts kernel launches fxgrad adds "
+            "to the compiled backward (negative: Inductor fused more)",
+            "- `module hooks / compiled` (rescale rows): the rescaling article's `register_full_backward_hook` "
+            "per layer, scaling the gradient flowing into each layer by `(1 / ||g||)^0.5`, run under "
+            "compiled autograd as `torch.compile` requires (`bench/policies.py`, `HookRescaled`)",
+        ] if rows else []),
         *(["", markdown(rows), "", "Baselines:", *notes] if rows else []),
         "",
         *([] if options.no_pass_scaling else [
-            "Pass time (fxgrad's rewrite alone, `clip_by_global_norm`, MLP of Linear(8, 8)):",
+            "Pass time (fxgrad's rewrite alone, MLP of Linear(8, 8); `full` is monitor + rescale + "
+            "per-layer clip):",
             "",
             *pass_scaling((10, 100) if options.quick else (10, 100, 1000)),
         ]),
