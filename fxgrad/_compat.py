@@ -42,6 +42,8 @@ __all__ = [
     "detect_fake_mode",
     "fake_of",
     "new_fake_like",
+    "new_fake_view",
+    "VIEWS",
     "returns_new_tensors",
     "tensors_in",
     "generated_code",
@@ -83,6 +85,24 @@ def new_fake_like(fake_mode: Any, template: torch.Tensor) -> torch.Tensor:
     return _FakeTensor(fake_mode, empty, template.device)
 
 
+
+
+def new_fake_view(base: torch.Tensor, template: torch.Tensor, storage_offset: int) -> torch.Tensor:
+    """A fake view of ``base`` (sharing its storage) with ``template``'s shape, strides and
+    dtype at ``storage_offset``, made without a fake dispatch."""
+    with torch._C._DisableTorchDispatch():
+        meta = torch.Tensor.as_strided(base, template.shape, template.stride(), storage_offset)
+    return _FakeTensor(base.fake_mode, meta, base.device)
+
+
+# View ops whose result's storage offset is the input's plus an amount that depends only on
+# the arguments and the input's shape and strides (not as_strided: its offset is absolute).
+_aten = torch.ops.aten
+VIEWS = frozenset({
+    _aten.view.default, _aten.squeeze.default, _aten.squeeze.dim, _aten.squeeze.dims, _aten.unsqueeze.default,
+    _aten.expand.default, _aten.permute.default, _aten.t.default, _aten.transpose.int, _aten.alias.default,
+    _aten.slice.Tensor, _aten.select.int,
+})
 
 @functools.cache
 def returns_new_tensors(func: Any) -> bool:

@@ -204,14 +204,10 @@ def _numel(shapes: list[list[Shape]]) -> int:
 
 
 def _split(values: torch.Tensor, shapes: list[list[Shape]]) -> list[list[torch.Tensor]]:
-    """Views of a flat tensor, per layer and parameter, with ``shapes``."""
-    out, offset = [], 0
-    for layer_shapes in shapes:
-        out.append([])
-        for shape in layer_shapes:
-            out[-1].append(values[offset : offset + math.prod(shape)].view(shape))
-            offset += math.prod(shape)
-    return out
+    """Views of a flat tensor, per layer and parameter, with ``shapes`` (one ``split``, not a
+    slice per parameter: each op costs a fake dispatch when it is recorded)."""
+    pieces = iter(values.split_with_sizes([math.prod(shape) for layer in shapes for shape in layer]))
+    return [[next(pieces).view(shape) for shape in layer] for layer in shapes]
 
 
 def _row_shape(param: torch.Tensor) -> tuple[int, ...]:

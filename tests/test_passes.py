@@ -81,7 +81,8 @@ def test_rule_with_tensor_constant_is_rejected():
 
 def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
     """The recorder reuses fake results per signature; each must match a real fake dispatch
-    (pointwise ops, reductions, padding, casts, factory ops from decompositions)."""
+    (pointwise ops, reductions, padding, casts, factory ops from decompositions, and views,
+    which must also share their input's storage at the right offset)."""
 
     def layouts(x):
         return (x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), x[0, 0].t(), x[0, 0, 0],
@@ -101,6 +102,8 @@ def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
                 results += [(a * 0.5).sum(), a.abs().amax(), a.clamp_max(1.0).sqrt().reciprocal(), a.pow(3.0) / 2]
                 results += [torch.nn.functional.pad(a.reshape(-1), (1, 2)), a.sum(dim=0), a.to(torch.float64),
                             torch.where(a > 0, a, 0.0), torch.linalg.vector_norm(a, dim=-1, keepdim=True)]
+                results += [a.reshape(-1)[1:].unsqueeze(0), a.reshape(-1, 1).t(), a.unsqueeze(-1).squeeze(-1)]
+                results += [a.reshape(-1)[i : i + 1].view([]) for i in range(min(3, a.numel()))]  # other offsets
         return results
 
     record(gm, fake_mode, outputs, rule)
@@ -110,7 +113,10 @@ def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
         with fake_mode:
             expected = node.target(*args, **node.kwargs)
         got = node.meta["val"]
-        assert (got.shape, got.stride(), got.dtype, got.device) == (
-            expected.shape, expected.stride(), expected.dtype, expected.device), node.format_node()
+        assert (got.shape, got.stride(), got.dtype, got.device, got.storage_offset()) == (
+            expected.shape, expected.stride(), expected.dtype, expected.device, expected.storage_offset()
+        ), node.format_node()
+        if node.target in _compat.VIEWS:  # a view shares its input's storage
+            assert got.untyped_storage()._cdata == args[0].untyped_storage()._cdata, node.format_node()
         checked += 1
     assert checked > 200
