@@ -140,6 +140,19 @@ def capture(
     return CapturedGraph(compile_id, attempt, len(placeholders), params, renamed_roots=renamed)
 
 
+
+def graph_model(gm: torch.fx.GraphModule, example_inputs: Sequence,
+                known: Sequence[nn.Module] = ()) -> nn.Module | None:
+    """The model a graph's parameters belong to: one of ``known`` that owns the first
+    parameter, else the outermost module on its source in the frame being compiled."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, nn.Parameter):
+            owner = next((m for m in known if any(p is value for p in m.parameters())), None)
+            return owner if owner is not None else _find_root(_compat.source_chain(node),
+                                                               _compat.current_frame_scope())
+    return None
+
 def _names_taken(new: dict[int, Owner], known: dict[int, dict[int, Owner]]) -> bool:
     """Whether other parameters already have some of the layer names in ``new``."""
     taken = {owner.layer for key_owners in known.values() for pid, owner in key_owners.items() if pid not in new}

@@ -13,18 +13,25 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from typing import Any
 
 import torch.fx
+import torch.nn as nn
 
 from fxgrad.backend import Backend
+from fxgrad.capture import graph_model
 from fxgrad.config import CONFIG_ENV, from_config, load
 
-_backends: dict[str, Backend] = {}
+# One Backend per model and options, so two models never share state or layer names.
+_backends: weakref.WeakKeyDictionary[nn.Module, dict[str, Backend]] = weakref.WeakKeyDictionary()
+_without_model: dict[str, Backend] = {}  # graphs whose parameters no module owns
+_latest: dict[str, Backend] = {}
 
 
 def fxgrad_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None) -> Any:
-    """Dynamo calls this once per graph; graphs with the same options share one Backend."""
+    """Dynamo calls this once per graph; graphs of one model with the same options share
+    one Backend (its state and statistics), other models get their own."""
     spec = dict(options or {})
     if not spec:
         path = os.environ.get(CONFIG_ENV)
@@ -34,12 +41,22 @@ def fxgrad_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
                 f"torch.compile, or set {CONFIG_ENV}=<policy.json>"
             )
         spec = load(path)
-    key = json.dumps(spec, sort_keys=True, default=str)
-    if key not in _backends:
-        _backends[key] = from_config(spec)
-    return _backends[key](gm, example_inputs)
+    key = _key(spec)
+    model = graph_model(gm, example_inputs, list(_backends.keys()))
+    table = _backends.setdefault(model, {}) if model is not None else _without_model
+    if key not in table:
+        table[key] = from_config(spec)
+    _latest[key] = table[key]
+    return table[key](gm, example_inputs)
 
 
-def backend_for(options: dict) -> Backend | None:
-    """The Backend built for these options, once a graph has been compiled with them."""
-    return _backends.get(json.dumps(options, sort_keys=True, default=str))
+def backend_for(options: dict, model: nn.Module | None = None) -> Backend | None:
+    """The Backend built for these options and ``model`` (default: the one that compiled a
+    graph last), once a graph has been compiled with them."""
+    if model is None:
+        return _latest.get(_key(options))
+    return _backends.get(model, {}).get(_key(options))
+
+
+def _key(spec: dict) -> str:
+    return json.dumps(spec, sort_keys=True, default=str)

@@ -41,6 +41,26 @@ def test_named_backend_with_options_matches_eager():
     )
 
 
+
+def test_named_backend_gives_each_model_its_own_backend():
+    """Two models compiled with the same options: each keeps its layer names and state."""
+    options = {"transform": [{"by_name": {"mapping": {"net.0": {"clip_by_norm": {"max_norm": 1e-3}}}}},
+                             {"autoclip": {"history": 4}}], "compiler": "aot_eager"}
+    x = torch.randn(8, 16)
+    trained = []
+    for sizes in ((16, 32, 4), (16, 8, 8, 4)):  # two sizes of one class: two graphs
+        model = models.MLP(sizes)
+        expected = copy.deepcopy(model)
+        models.loss_of(torch.compile(model, backend="fxgrad", options=options)(x)).backward()
+        models.loss_of(expected(x)).backward()
+        ref.clip_per_layer(expected, 1e-3, select=lambda name, _: name == "net.0")
+        ref.AutoClip(90, 4, 0.1).step(expected)
+        assert_grads_close(model, expected)
+        trained.append(model)
+    backends = [backend_for(options, model) for model in trained]
+    assert backends[0] is not backends[1] and backend_for(options) is backends[1]
+    assert [b.state_dict()["1.autoclip/count"].item() for b in backends] == [1, 1]
+
 def test_policy_from_file_via_environment(tmp_path, monkeypatch):
     path = tmp_path / "policy.json"
     path.write_text(json.dumps({"transform": {"clip_by_norm": {"max_norm": 1e-3}}, "compiler": "aot_eager"}))
