@@ -277,6 +277,8 @@ def _check_scaler(scaler: Any, transform: Transform | None) -> Any:
         return None
     if not hasattr(scaler, "unscale_") or not hasattr(scaler, "update"):
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if not scaler.is_enabled():  # GradScaler(enabled=False), or a CUDA scaler without CUDA: no scaling
+        return None
     leaves = {leaf.name for leaf in transform.leaves()} if transform is not None else set()
     hiding = leaves & {"zero_nonfinite", "skip_nonfinite"}
     if hiding:

@@ -49,7 +49,9 @@ class Monitor(ScaleLeaf):
         first = count == 0
         new_mean = torch.where(first, norm, mean + rate * diff)
         new_var = torch.where(first, torch.zeros_like(var), (1 - rate) * (var + rate * diff * diff))
-        ctx.save(state, mean=new_mean, var=new_var, count=count + 1)
+        finite = torch.isfinite(norm)  # an overflow step leaves the statistics as they were
+        ctx.save(state, mean=torch.where(finite, new_mean, mean), var=torch.where(finite, new_var, var),
+                 count=count + finite.to(count.dtype))
         ctx.emit_per_layer("grad_norm", norm)
         ctx.emit_per_layer("grad_norm_ema", new_mean)
         ctx.emit_per_layer("grad_norm_std", new_var.sqrt())
@@ -77,7 +79,9 @@ def monitor(ema: float = 0.9, spike_z: float = 3.0, *, warmup: int = 10, weights
     * ``weight_norm/<layer>`` with ``weights=True``: the parameters' L2 norm,
       for spotting norm drift between layers (read on the device).
 
-    With a GradScaler, the norms are unscaled. It changes no gradient.
+    With a GradScaler, the norms are unscaled. A non-finite norm (an overflow
+    step) is reported but leaves the EMA statistics as they were. It changes
+    no gradient.
 
         >>> monitor(ema=0.99, weights=True)
         monitor(ema=0.99, spike_z=3.0, warmup=10, weights=True)

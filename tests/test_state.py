@@ -199,6 +199,20 @@ def test_scaler_refuses_policies_that_hide_nonfinite():
         fxgrad.backend(fxgrad.clip_by_norm(1.0), scaler=object())
 
 
+
+def test_a_disabled_scaler_is_no_scaler():
+    """``GradScaler(enabled=use_amp)`` with AMP off (or a CUDA scaler on a CPU-only machine)."""
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scaler=scaler)
+    assert backend.scaler is None
+    model = models.MLP()
+    expected = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    scaler.scale(models.loss_of(backend.compile(model)(x))).backward()
+    models.loss_of(expected(x)).backward()
+    ref.clip_global(expected, 1e-3)
+    assert_grads_close(model, expected)
+
 def test_checkpoint_resume_matches_an_uninterrupted_run():
     policy = fxgrad.chain(fxgrad.monitor(), fxgrad.autoclip(history=6))
 
@@ -270,3 +284,33 @@ def test_state_and_stats_survive_a_layer_frozen_every_other_step(scope):
     state = backend.state_dict()
     assert state["1.autoclip/count"].item() == 8
     assert state["0.monitor/count/net.0"].item() == 8 and state["0.monitor/count/net.3"].item() == 4
+
+
+@pytest.mark.parametrize("policy", [
+    fxgrad.chain(fxgrad.monitor(), fxgrad.rescale(target="ema", decay=0.5)),
+    fxgrad.rescale(alpha=0.5, every=2),
+])
+def test_an_overflow_step_leaves_no_nonfinite_state(policy):
+    """Steps after an Inf/NaN step equal a run without it (a GradScaler skips such steps)."""
+    def run(steps):
+        torch.manual_seed(0)
+        model = models.MLP()
+        backend = fxgrad.backend(policy, compiler="aot_eager")
+        compiled = backend.compile(model)
+        grads = []
+        for x, weight in steps:
+            model.zero_grad()
+            (models.loss_of(compiled(x)) * weight).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        return grads, backend.stats()
+
+    xs = [x for _, x, _ in batches(3)]
+    clean, clean_stats = run([(x, 1.0) for x in xs])
+    spiked, spiked_stats = run([(xs[0], 1.0), (xs[0], math.inf)] + [(x, 1.0) for x in xs[1:]])
+    assert not all(torch.isfinite(g).all() for g in spiked[1])
+    for a, b in zip(spiked[2:], clean[1:]):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y)
+    for key in clean_stats:
+        if "ema" in key or "std" in key:
+            torch.testing.assert_close(spiked_stats[key], clean_stats[key])
