@@ -1,4 +1,4 @@
-"""Declarative policies: build a backend from plain data (JSON, YAML, options=).
+"""Declarative policies: build a backend from plain data (a JSON file, or ``options=``).
 
     >>> backend = from_config({
     ...     "transform": [
@@ -20,7 +20,11 @@ Grammar:
   ``by_name`` the same with fnmatch patterns as keys;
 * where types and name patterns are both allowed (``skip``, ``rescale``'s
   ``multipliers``), a type is written ``"type:torch.nn.Conv2d"``;
-* ``skip`` is a list; the entry ``"default"`` stands for :data:`fxgrad.DEFAULT_SKIP`.
+* ``skip`` is a list; the entry ``"default"`` stands for :data:`fxgrad.DEFAULT_SKIP`;
+* step-keyed dicts (``multi_normalize``'s ``schedule`` and ``threshold_schedule``)
+  may have string keys (``{"0": ..., "500": ...}``), as JSON objects must;
+* ``{"config": "policy.json", ...}`` reads the file; keys beside ``config``
+  override the file's (``{"config": "policy.json", "compiler": "aot_eager"}``).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ FACTORIES = {
 }
 ROUTERS = {"by_type": compose.by_type, "by_name": compose.by_name}
 BACKEND_KEYS = {"transform", "skip", "compiler", "strict", "scope"}
+STEP_KEYED = {"schedule", "threshold_schedule"}  # multi_normalize's {step: value} arguments
 CONFIG_ENV = "FXGRAD_CONFIG"
 
 
@@ -63,12 +68,16 @@ def from_config(spec: Mapping[str, Any]) -> Backend:
 
     ``{"transform": ..., "skip": [...], "compiler": ..., "strict": ..., "scope": ...}``.
 
-    ``{"config": "policy.json"}`` loads the spec from a JSON file.
+    ``{"config": "policy.json"}`` loads the spec from a JSON file; keys given
+    beside ``config`` override the file's.
     """
     if not isinstance(spec, Mapping):
         raise TypeError(f"config must be a dict, got {type(spec).__name__}")
     if "config" in spec:
-        return from_config(load(spec["config"]))
+        loaded = load(spec["config"])
+        if "config" in loaded:
+            raise ValueError(f"config file {spec['config']!r} names another config file; give the policy itself")
+        spec = {**loaded, **{key: value for key, value in spec.items() if key != "config"}}
     unknown = set(spec) - BACKEND_KEYS
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {sorted(BACKEND_KEYS)}")
@@ -80,8 +89,15 @@ def from_config(spec: Mapping[str, Any]) -> Backend:
 
 
 def load(path: str | os.PathLike) -> dict:
+    """The dict in a JSON policy file."""
     with open(path) as file:
-        return json.load(file)
+        try:
+            spec = json.load(file)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"config file {os.fspath(path)!r} is not valid JSON: {error}") from None
+    if not isinstance(spec, dict):
+        raise TypeError(f"config file {os.fspath(path)!r} must hold a JSON object, got {type(spec).__name__}")
+    return spec
 
 
 def parse_transform(spec: Any) -> Transform:
@@ -91,18 +107,28 @@ def parse_transform(spec: Any) -> Transform:
     if not (isinstance(spec, Mapping) and len(spec) == 1):
         raise ValueError(f"a transform is {{'<name>': {{arguments}}}} or a list of them, got {spec!r}")
     (name, arguments), = spec.items()
+    if name not in FACTORIES and name not in ROUTERS:
+        chain = " (a chain is written as a list of transforms)" if name == "chain" else ""
+        raise ValueError(f"unknown transform {name!r}{chain}; known: {sorted(FACTORIES) + sorted(ROUTERS)}")
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, Mapping):
         raise TypeError(f"arguments of {name!r} must be a dict, got {arguments!r}")
     if name in ROUTERS:
         return _router(name, arguments)
-    if name not in FACTORIES:
-        raise ValueError(f"unknown transform {name!r}; known: {sorted(FACTORIES) + sorted(ROUTERS)}")
     arguments = dict(arguments)
-    if name == "rescale" and "multipliers" in arguments:
+    if name == "rescale" and isinstance(arguments.get("multipliers"), Mapping):
         arguments["multipliers"] = {_type_or_pattern(k): v for k, v in arguments["multipliers"].items()}
+    for key in STEP_KEYED.intersection(arguments) if name == "multi_normalize" else ():
+        if isinstance(arguments[key], Mapping):
+            arguments[key] = {_step(k): v for k, v in arguments[key].items()}
     return FACTORIES[name](**arguments)
+
+
+def _step(key: Any) -> Any:
+    """A JSON object key for a step (``"500"``) as an int; anything else as given, for the
+    transform's own check to name."""
+    return int(key) if isinstance(key, str) and key.isdigit() else key
 
 
 def _router(name: str, arguments: Mapping[str, Any]) -> Transform:

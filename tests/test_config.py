@@ -81,6 +81,27 @@ def test_config_file_key(tmp_path):
     assert repr(from_config({"config": str(path)})) == "fxgrad.backend(clip_by_value(clip_value=0.1), compiler='inductor')"
 
 
+
+def test_config_file_keys_beside_it_override_and_schedules_take_string_steps(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({
+        "transform": {"multi_normalize": {"schedule": {"0": ["l2"], "100": ["l2", "linf"]},
+                                          "threshold_schedule": {"0": 0.2, "50": 0.1}}},
+        "compiler": "inductor",
+    }))
+    backend = from_config({"config": str(path), "compiler": "aot_eager", "strict": False})
+    assert (backend.compiler, backend.strict) == ("aot_eager", False)
+    assert backend.transform == fxgrad.multi_normalize(schedule={0: ("l2",), 100: ("l2", "linf")},
+                                                       threshold_schedule={0: 0.2, 50: 0.1})
+    with pytest.raises(ValueError, match="unknown config keys"):
+        from_config({"config": str(path), "strikt": True})
+    path.write_text(json.dumps({"config": str(path)}))
+    with pytest.raises(ValueError, match="names another config file"):
+        from_config({"config": str(path)})
+    path.write_text("transform: {}")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        from_config({"config": str(path)})
+
 def test_routers_and_skip_in_config():
     backend = from_config({
         "transform": {"by_name": {"mapping": {"*.q_proj": {"rescale": {"alpha": 0.3}}},
@@ -107,6 +128,9 @@ def test_routers_and_skip_in_config():
         ({"transform": {"by_type": {"mapping": {"torch.nn.Nope": {"rescale": {}}}}}}, ValueError, "torch.nn.Nope"),
         ({"policy": {}}, ValueError, "unknown config keys"),
         ({"skip": "default"}, TypeError, "skip"),
+        ({"transform": {"chain": [{"monitor": {}}]}}, ValueError, "a chain is written as a list"),
+        ({"transform": {"rescale": {"multipliers": [["*", 2.0]]}}}, TypeError, "multipliers"),
+        ({"transform": {"multi_normalize": {"schedule": {"x": ["l2"]}}}}, ValueError, "schedule"),
     ],
 )
 def test_bad_config_is_rejected(spec, error, match):
