@@ -74,7 +74,7 @@ class Report:
     def table(self) -> str:
         """The per-layer decisions as an aligned text table."""
         rows = [("layer", "type", "params", "action")]
-        rows += [(r.name or "(root)", r.type_name, str(r.numel), r.action) for r in self.layers]
+        rows += [(r.name, r.type_name, str(r.numel), r.action) for r in self.layers]
         widths = [max(len(row[i]) for row in rows) for i in range(3)]
         lines = [
             f"{name:<{widths[0]}}  {kind:<{widths[1]}}  {numel:>{widths[2]}}  {action}"

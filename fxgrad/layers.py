@@ -79,6 +79,10 @@ class Owner(NamedTuple):
     tensor: nn.Parameter | None
 
 
+ROOT_LAYER = "(root)"
+"""The layer of the parameters registered on the model itself (CLIP's ``logit_scale``)."""
+
+
 def parameter_owners(model: nn.Module, prefix: str = "") -> dict[int, Owner]:
     """``id(parameter) -> Owner`` for every parameter of ``model``, first owner wins.
 
@@ -86,10 +90,10 @@ def parameter_owners(model: nn.Module, prefix: str = "") -> dict[int, Owner]:
     """
     owners: dict[int, Owner] = {}
     for module_name, module in model.named_modules():
-        layer = _join(prefix, module_name)
+        path = _join(prefix, module_name)
         for local_name, param in module._parameters.items():
             if param is not None and id(param) not in owners:
-                owners[id(param)] = Owner(layer, _join(layer, local_name), module, param)
+                owners[id(param)] = Owner(path or ROOT_LAYER, _join(path, local_name), module, param)
     return owners
 
 

@@ -99,7 +99,7 @@ def test_weight_norm_drift_guard_below_one_over_e():
         model.bias.mul_(0.01)
     model.zero_grad()
     compiled(torch.randn(2, 4)).sum().backward()
-    assert backend.stats()["drift_factor/"].item() == pytest.approx(10.0)  # 1 / min_denominator
+    assert backend.stats()["drift_factor/(root)"].item() == pytest.approx(10.0)  # 1 / min_denominator
 
 
 def test_balance_norms_pushes_top_down_and_bottom_up():
