@@ -45,6 +45,7 @@ __all__ = [
     "new_fake_view",
     "VIEWS",
     "returns_new_tensors",
+    "shape_arguments",
     "tensors_in",
     "generated_code",
     "inductor_compile",
@@ -103,6 +104,16 @@ VIEWS = frozenset({
     _aten.expand.default, _aten.permute.default, _aten.t.default, _aten.transpose.int, _aten.alias.default,
     _aten.slice.Tensor, _aten.select.int,
 })
+
+
+def shape_arguments(func: Any, args: tuple) -> tuple:
+    """``args`` with what does not affect the result's metadata left out: for
+    ``constant_pad_nd``, only each dimension's total padding (the pieces that
+    ``fxgrad.state.flat`` pads to different offsets share one signature)."""
+    if func is _aten.constant_pad_nd.default and len(args) >= 2:
+        pad = list(args[1])
+        return (args[0], tuple(pad[i] + pad[i + 1] for i in range(0, len(pad) - 1, 2)), *args[2:])
+    return args
 
 @functools.cache
 def returns_new_tensors(func: Any) -> bool:

@@ -150,7 +150,8 @@ class GraphRecorder(TorchDispatchMode):
             raise _NotPlain
 
         try:
-            return (func, key(args), tuple(sorted((name, key(v)) for name, v in kwargs.items())))
+            return (func, key(_compat.shape_arguments(func, args)),
+                    tuple(sorted((name, key(v)) for name, v in kwargs.items())))
         except _NotPlain:
             return None
 

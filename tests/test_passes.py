@@ -100,10 +100,12 @@ def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
                 for b in values:
                     results += [a * b, a + b, torch.maximum(a, b.to(a.dtype)) if a.dim() >= b.dim() else a - b]
                 results += [(a * 0.5).sum(), a.abs().amax(), a.clamp_max(1.0).sqrt().reciprocal(), a.pow(3.0) / 2]
-                results += [torch.nn.functional.pad(a.reshape(-1), (1, 2)), a.sum(dim=0), a.to(torch.float64),
+                results += [torch.nn.functional.pad(a.reshape(-1), (1, 2)), torch.nn.functional.pad(a.reshape(-1), (2, 1)),
+                            a.sum(dim=0), a.to(torch.float64),
                             torch.where(a > 0, a, 0.0), torch.linalg.vector_norm(a, dim=-1, keepdim=True)]
                 results += [a.reshape(-1)[1:].unsqueeze(0), a.reshape(-1, 1).t(), a.unsqueeze(-1).squeeze(-1)]
                 results += [a.reshape(-1)[i : i + 1].view([]) for i in range(min(3, a.numel()))]  # other offsets
+                results += [torch.nn.functional.pad(a, pad) for pad in ((1, 2), (2, 1), (3, 0))] if a.dim() else []
         return results
 
     record(gm, fake_mode, outputs, rule)
