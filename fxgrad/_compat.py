@@ -86,8 +86,6 @@ def new_fake_like(fake_mode: Any, template: torch.Tensor) -> torch.Tensor:
     return _FakeTensor(fake_mode, empty, template.device)
 
 
-
-
 def new_fake_view(base: torch.Tensor, template: torch.Tensor, storage_offset: int) -> torch.Tensor:
     """A fake view of ``base`` (sharing its storage) with ``template``'s shape, strides and
     dtype at ``storage_offset``, made without a fake dispatch."""
@@ -115,6 +113,7 @@ def shape_arguments(func: Any, args: tuple) -> tuple:
         return (args[0], tuple(pad[i] + pad[i + 1] for i in range(0, len(pad) - 1, 2)), *args[2:])
     return args
 
+
 @functools.cache
 def returns_new_tensors(func: Any) -> bool:
     """Whether ``func`` returns new tensors whose metadata follows from its arguments'
@@ -136,6 +135,7 @@ def returns_new_tensors(func: Any) -> bool:
 def tensors_in(value: Any) -> list[torch.Tensor]:
     """The tensors in a nested output (tuples, dicts, Hugging Face ``ModelOutput``)."""
     return [leaf for leaf in _pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
 
 def inductor_compile(
     gm: torch.fx.GraphModule, example_inputs: list, rewrite_backward: BackwardRewrite

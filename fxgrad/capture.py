@@ -140,7 +140,6 @@ def capture(
     return CapturedGraph(compile_id, attempt, len(placeholders), params, renamed_roots=renamed)
 
 
-
 def graph_model(gm: torch.fx.GraphModule, example_inputs: Sequence,
                 known: Sequence[nn.Module] = ()) -> nn.Module | None:
     """The model a graph's parameters belong to: one of ``known`` that owns the first
@@ -152,6 +151,7 @@ def graph_model(gm: torch.fx.GraphModule, example_inputs: Sequence,
             return owner if owner is not None else _find_root(_compat.source_chain(node),
                                                                _compat.current_frame_scope())
     return None
+
 
 def _names_taken(new: dict[int, Owner], known: dict[int, dict[int, Owner]]) -> bool:
     """Whether other parameters already have some of the layer names in ``new``."""

@@ -9,8 +9,9 @@ rewrite cannot see from inside the graph:
   forwards, one backward): ``scope="graph"`` then transforms each part, not
   their sum.
 
-    watch = ForwardWatch(model, coverage, graph_runs=lambda: backend.graph_runs)
-    watch.install(torch.compile(model, backend=backend))
+    runs = lambda: backend._graph_runs                  # calls of the backend's compiled forwards
+    in_graph = lambda: backend.current_scope() == "graph"
+    ForwardWatch(model, coverage, runs, in_graph).install(torch.compile(model, backend=backend))
 """
 
 from __future__ import annotations
