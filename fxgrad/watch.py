@@ -4,7 +4,8 @@ Each is O(1) per step and never syncs. They catch what a backward-graph
 rewrite cannot see from inside the graph:
 
 * a forward that ran no graph of the backend (Dynamo ran it eagerly);
-* a forward that starts while ``.grad`` holds a gradient (accumulation), or
+* a forward that starts while ``.grad`` holds the last backward's gradient
+  (accumulation: not zeroed since), or
   before the previous forward's outputs went through ``backward()`` (two
   forwards, one backward): ``scope="graph"`` then transforms each part, not
   their sum.
@@ -53,17 +54,27 @@ class ForwardWatch:
         self._runs_before = 0
         self._first = True
         self._awaiting_backward = False
+        # One parameter's .grad tells accumulation apart from a fresh step: the version
+        # its gradient had when backward last wrote it is still current unless someone
+        # zeroed it (zero_grad(set_to_none=False) bumps the version; set_to_none drops it).
         self._probe = next((p for p in model.parameters() if p.requires_grad), None)
+        self._written_version: int | None = None
 
     def install(self, compiled: nn.Module) -> None:
         compiled.register_forward_pre_hook(self._before)
         compiled.register_forward_hook(self._after)
+        if self._probe is not None:
+            self._probe.register_post_accumulate_grad_hook(self._grad_written)
+
+    def _grad_written(self, param: nn.Parameter) -> None:
+        self._written_version = _compat.tensor_version(param.grad)
 
     def _before(self, module: nn.Module, args: Any) -> None:
         self._runs_before = self.graph_runs()
         if not torch.is_grad_enabled() or not self.in_graph():
             return
-        if self._probe is not None and self._probe.grad is not None:
+        grad = self._probe.grad if self._probe is not None else None
+        if grad is not None and _compat.tensor_version(grad) == self._written_version:
             self.coverage.warn(ACCUMULATING)
         elif self._awaiting_backward:
             self.coverage.warn(TWO_FORWARDS.format(model=type(self.model).__name__))

@@ -256,3 +256,16 @@ def test_hugging_face_training_steps_raise_no_coverage_warning():
         for _ in range(2):
             model.zero_grad()
             models.loss_of(compiled(*args, **kwargs)).backward()
+
+
+def test_accumulation_is_reported_and_zeroed_gradients_are_not():
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    compiled = backend.compile(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        for _ in range(3):  # zero_grad(set_to_none=False) keeps zero tensors in .grad
+            model.zero_grad(set_to_none=False)
+            models.loss_of(compiled(torch.randn(4, 16))).backward()
+    with pytest.warns(fxgrad.CoverageWarning, match="still held a gradient"):
+        models.loss_of(compiled(torch.randn(4, 16))).backward()
