@@ -4,11 +4,14 @@ Each is O(1) per step and never syncs. They catch what a backward-graph
 rewrite cannot see from inside the graph:
 
 * a forward that ran no graph of the backend (Dynamo ran it eagerly);
-* a forward that starts while ``.grad`` holds the last backward's gradient
-  (accumulation: not zeroed since), or
-  before the previous forward's outputs went through ``backward()`` (two
-  forwards, one backward): ``scope="graph"`` then transforms each part, not
-  their sum.
+* a backward that starts while ``.grad`` still holds the previous backward's
+  gradient (accumulation: not zeroed since), or while the outputs of another
+  forward still wait for their backward (two forwards, one loss):
+  ``scope="graph"`` then transforms each part, not their sum.
+
+The gradient checks run when backward reaches the forward's outputs, so
+``zero_grad()`` between forward and backward, validation forwards and
+forwards whose outputs are dropped raise nothing.
 
     runs = lambda: backend._graph_runs                  # calls of the backend's compiled forwards
     in_graph = lambda: backend.current_scope() == "graph"
@@ -17,6 +20,7 @@ rewrite cannot see from inside the graph:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -26,18 +30,29 @@ from fxgrad import _compat
 from fxgrad.coverage import CoverageCheck
 
 ACCUMULATING = (
-    "fxgrad: a forward started while .grad still held a gradient. If you accumulate "
-    "gradients over micro-batches, scope='graph' transforms each micro-batch's gradient, "
+    "fxgrad: a backward started while .grad still held the previous backward's gradient. If you "
+    "accumulate gradients over micro-batches, scope='graph' transforms each micro-batch's gradient, "
     "not their sum: use fxgrad.backend(..., scope='step'), which applies the policy once, "
-    "at optimizer.step(). (zero_grad() before each forward silences this.)"
+    "at optimizer.step(). (zero_grad() before each backward silences this.)"
 )
 
 TWO_FORWARDS = (
-    "fxgrad: a forward of {model} started before the previous forward's outputs went through "
-    "backward(). If one backward() takes both (two views, a contrastive or a GAN loss), "
-    "scope='graph' transforms each forward's gradient on its own, not their sum: use "
-    "fxgrad.backend(..., scope='step'), which applies the policy once, at optimizer.step()."
+    "fxgrad: one backward() took the outputs of two forwards of {model}. scope='graph' "
+    "transforms each forward's gradient on its own, not their sum (two views, a contrastive or a "
+    "GAN loss): use fxgrad.backend(..., scope='step'), which applies the policy once, at "
+    "optimizer.step()."
 )
+
+
+class _Forward:
+    """One training forward: its outputs (weakly) and whether backward reached them."""
+
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        self.outputs = [weakref.ref(t) for t in outputs]
+        self.reached = False
+
+    def waiting(self) -> bool:
+        return not self.reached and any(ref() is not None for ref in self.outputs)
 
 
 class ForwardWatch:
@@ -53,7 +68,7 @@ class ForwardWatch:
         self.graph_runs, self.in_graph = graph_runs, in_graph
         self._runs_before = 0
         self._first = True
-        self._awaiting_backward = False
+        self._forwards: list[_Forward] = []
         # One parameter's .grad tells accumulation apart from a fresh step: the version
         # its gradient had when backward last wrote it is still current unless someone
         # zeroed it (zero_grad(set_to_none=False) bumps the version; set_to_none drops it).
@@ -71,23 +86,27 @@ class ForwardWatch:
 
     def _before(self, module: nn.Module, args: Any) -> None:
         self._runs_before = self.graph_runs()
-        if not torch.is_grad_enabled() or not self.in_graph():
-            return
-        grad = self._probe.grad if self._probe is not None else None
-        if grad is not None and _compat.tensor_version(grad) == self._written_version:
-            self.coverage.warn(ACCUMULATING)
-        elif self._awaiting_backward:
-            self.coverage.warn(TWO_FORWARDS.format(model=type(self.model).__name__))
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.graph_runs() == self._runs_before and (self._first or torch.is_grad_enabled()):
             self.coverage.ran_eagerly(self.model, self._first)
         self._first = False
-        if torch.is_grad_enabled() and module.training:
-            nodes = {t.grad_fn for t in _compat.tensors_in(output) if t.grad_fn is not None}
-            self._awaiting_backward = bool(nodes)
-            for node in nodes:
-                node.register_prehook(self._backward_reached)
+        if not torch.is_grad_enabled() or not self.in_graph():
+            return
+        outputs = [t for t in _compat.tensors_in(output) if t.grad_fn is not None]
+        if not outputs:
+            return
+        forward = _Forward(outputs)
+        self._forwards = [f for f in self._forwards if f.waiting()] + [forward]
+        for node in {t.grad_fn for t in outputs}:
+            node.register_prehook(lambda grad_outputs, forward=forward: self._backward_reached(forward))
 
-    def _backward_reached(self, grad_outputs: Any) -> None:
-        self._awaiting_backward = False
+    def _backward_reached(self, forward: _Forward) -> None:
+        if forward.reached:
+            return
+        forward.reached = True
+        grad = self._probe.grad if self._probe is not None else None
+        if grad is not None and _compat.tensor_version(grad) == self._written_version:
+            self.coverage.warn(ACCUMULATING)
+        if any(other.waiting() for other in self._forwards if other is not forward):
+            self.coverage.warn(TWO_FORWARDS.format(model=type(self.model).__name__))

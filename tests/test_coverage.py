@@ -235,16 +235,22 @@ def test_two_forwards_before_one_backward_are_reported():
     compiled = backend.compile(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxgrad.CoverageWarning)
-        for _ in range(2):  # one forward, one backward: silent
-            model.zero_grad()
-            models.loss_of(compiled(torch.randn(4, 16))).backward()
-        with torch.no_grad():
-            compiled(torch.randn(4, 16))
+        for _ in range(2):  # common loops: silent
+            loss = models.loss_of(compiled(torch.randn(4, 16)))
+            model.zero_grad()  # between forward and backward
+            loss.backward()
+            with torch.no_grad():
+                compiled(torch.randn(4, 16))
+            model.eval()
+            compiled(torch.randn(4, 16))  # validation without no_grad
+            model.train()
+            skipped = models.loss_of(compiled(torch.randn(4, 16)))  # a batch whose backward is skipped
+            del skipped
     model.zero_grad()
     first = models.loss_of(compiled(torch.randn(4, 16)))
-    with pytest.warns(fxgrad.CoverageWarning, match="before the previous forward's outputs went through backward"):
-        second = models.loss_of(compiled(torch.randn(4, 16)))
-    (first + second).backward()
+    second = models.loss_of(compiled(torch.randn(4, 16)))
+    with pytest.warns(fxgrad.CoverageWarning, match="took the outputs of two forwards"):
+        (first + second).backward()
 
 
 def test_hugging_face_training_steps_raise_no_coverage_warning():
@@ -267,5 +273,5 @@ def test_accumulation_is_reported_and_zeroed_gradients_are_not():
         for _ in range(3):  # zero_grad(set_to_none=False) keeps zero tensors in .grad
             model.zero_grad(set_to_none=False)
             models.loss_of(compiled(torch.randn(4, 16))).backward()
-    with pytest.warns(fxgrad.CoverageWarning, match="still held a gradient"):
+    with pytest.warns(fxgrad.CoverageWarning, match="still held the previous backward's gradient"):
         models.loss_of(compiled(torch.randn(4, 16))).backward()

@@ -178,4 +178,4 @@ def test_accumulating_under_graph_scope_is_flagged():
     compiled = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager").compile(model)
     models.loss_of(compiled(torch.randn(4, 16))).backward()
     with pytest.warns(fxgrad.CoverageWarning, match="scope='step'"):
-        compiled(torch.randn(4, 16))
+        models.loss_of(compiled(torch.randn(4, 16))).backward()
