@@ -129,12 +129,30 @@ class Backend:
         with _compat.autograd_cache_bypassed():
             compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite)
 
+        probe = graph.params[0] if graph.params else None
+
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
             self._graph_runs += 1  # lets compile() see forwards that ran no compiled graph
+            if probe is not None and args[probe.index] is not probe.tensor():
+                self._reused(graph)
             return compiled(*args)
 
         return run
+
+    def _reused(self, graph: CapturedGraph) -> None:
+        """Dynamo runs ``graph`` for parameters other than those it was compiled for."""
+        if self._coverage is None:
+            return
+        first = graph.params[0]
+        self._coverage.warn(
+            f"fxgrad: Dynamo reuses the graph compiled for layer {first.layer!r} with other parameters (the "
+            "same code run for another module: a graph break inside a repeated block's forward, or a second "
+            "model of the same class). The gradients are transformed, but per-layer "
+            "state, statistics and weight reads (adaptive_grad_clip, scale_by_trust_ratio, "
+            "weight_norm_drift, balance_norms) follow the first instance's layers. Remove the graph "
+            "break, give each model its own fxgrad.backend(...), or use scope='step'."
+        )
 
     def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         """``torch.compile(model, backend=self, **compile_kwargs)``, plus a check.
