@@ -138,6 +138,7 @@ class Backend:
                 self._reused(graph)
             return compiled(*args)
 
+        graph.compiled = weakref.ref(run)
         return run
 
     def _reused(self, graph: CapturedGraph) -> None:

@@ -73,6 +73,11 @@ class CapturedGraph:
     gaps: list = dataclasses.field(default_factory=list)
     # Prefixes given to modules whose layer names other modules already had:
     renamed_roots: list = dataclasses.field(default_factory=list)
+    # The compiled callable Dynamo holds; dead after torch._dynamo.reset():
+    compiled: weakref.ref | None = None
+
+    def live(self) -> bool:
+        return self.compiled is None or self.compiled() is not None
 
     def param_names(self) -> set[str]:
         return {p.name for p in self.params}

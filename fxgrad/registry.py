@@ -24,8 +24,10 @@ class GraphRegistry:
         self._frames: dict[int | None, int] = {}  # Dynamo frame id -> its number here, first compiled first
 
     def add(self, graph: CapturedGraph) -> None:
-        # Dynamo discards the graphs of an analysis it restarted (same compile id).
-        self.graphs = [g for g in self.graphs if g.compile_id != graph.compile_id or g.attempt >= graph.attempt]
+        # Dynamo discards the graphs of an analysis it restarted (same compile id), and
+        # every graph on torch._dynamo.reset().
+        self.graphs = [g for g in self.graphs
+                       if g.live() and (g.compile_id != graph.compile_id or g.attempt >= graph.attempt)]
         self.graphs.append(graph)
         self._frames.setdefault(graph.compile_id[0], len(self._frames))
         self._forward_order.update(dict.fromkeys(p.layer for p in graph.params))

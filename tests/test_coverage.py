@@ -278,3 +278,18 @@ def test_accumulation_is_reported_and_zeroed_gradients_are_not():
             models.loss_of(compiled(torch.randn(4, 16))).backward()
     with pytest.warns(fxgrad.CoverageWarning, match="still held the previous backward's gradient"):
         models.loss_of(compiled(torch.randn(4, 16))).backward()
+
+
+def test_recompiling_after_a_dynamo_reset_forgets_the_old_graphs():
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    models.loss_of(backend.compile(model)(torch.randn(4, 16))).backward()
+    _compat.reset_dynamo()
+    model.zero_grad()
+    expected = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    models.loss_of(backend.compile(model)(x)).backward()  # the old graph is no graph break
+    models.loss_of(expected(x)).backward()
+    ref.clip_global(expected, 1e-3)
+    assert_grads_close(model, expected)
+    assert len(backend.graphs) == 1
