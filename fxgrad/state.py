@@ -161,7 +161,8 @@ class StateStore:
         self.external: dict[tuple, ExternalGroup] = {}
         self._pending: dict[str, torch.Tensor] = {}
         self._layer_stats: dict[str, tuple[str, str]] = {}  # per-layer statistic key -> (statistic, layer)
-        self._step_stats: dict[str, None] = {}  # keys written in the latest step, in order
+        self._step: list[Group] = []  # statistics groups saved in the latest step
+        self._overlap: dict[tuple[str, str], bool] = {}  # do two groups share a per-layer statistic?
 
     def group(self, label: str, entries: Sequence[Entry], device: torch.device) -> Group:
         """The group of ``entries`` (state), placing entries seen for the first time."""
@@ -184,9 +185,17 @@ class StateStore:
         return found
 
     def _stats_saved(self, group: Group) -> None:
-        if any(key in self._step_stats and key in self._layer_stats for key in group.keys):
-            self._step_stats = {}
-        self._step_stats.update(dict.fromkeys(group.keys))
+        """Runs every step (a graph saved its statistics): O(graphs in the step), not O(keys)."""
+        if any(self._overlaps(group, other) for other in self._step):
+            self._step = []
+        self._step.append(group)
+
+    def _overlaps(self, a: Group, b: Group) -> bool:
+        found = self._overlap.get((a.name, b.name))
+        if found is None:
+            found = a is b or any(key in self._layer_stats for key in set(a.keys) & set(b.keys))
+            self._overlap[(a.name, b.name)] = found
+        return found
 
     def external_group(self, label: str, key: tuple, read: Callable[[], torch.Tensor], numel: int,
                        device: torch.device, dtype: torch.dtype = torch.float64) -> ExternalGroup:
@@ -204,10 +213,9 @@ class StateStore:
         """Copies of the statistics the latest step wrote (one copy per device, no sync)."""
         copies = {device: slots.buffer.clone() for device, slots in self._stats.items()}
         out = {}
-        for device, slots in self._stats.items():
-            for key, (offset, _) in slots.layout.items():
-                if key in self._step_stats:
-                    out[key] = copies[device][offset]
+        for group in self._step:
+            for key in group.keys:
+                out[key] = copies[group.device][group.slots.layout[key][0]]
         return out
 
     def layer_stat(self, key: str) -> tuple[str, str] | None:
