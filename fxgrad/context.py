@@ -122,12 +122,21 @@ class RouteContext:
         self._groups[id(values)] = (group, list(shared) + list(per_layer))
         return values
 
-    def save(self, state: dict[str, torch.Tensor], **new: torch.Tensor) -> None:
-        """Write back every entry of ``state`` (new values, same shapes)."""
+    def save(self, state: dict[str, torch.Tensor], *, finite: torch.Tensor | None = None,
+             **new: torch.Tensor) -> None:
+        """Write back every entry of ``state`` (new values, same shapes).
+
+        With ``finite=norm``, entries keep their old values where ``norm`` is not
+        finite: one overflow step (routine with a GradScaler) must not leave a NaN
+        EMA or target behind for good.
+        """
         group, order = self._groups[id(state)]
         missing = set(order) - set(new)
         if missing:
             raise ValueError(f"save() of {self.key} needs values for {sorted(missing)}")
+        if finite is not None:
+            ok = torch.isfinite(finite)
+            new = {n: torch.where(ok, value, state[n]) for n, value in new.items()}
         torch.ops.fxgrad.save_state(group.name, flat(new[n] for n in order))
 
     def emit(self, name: str, value: torch.Tensor) -> None:

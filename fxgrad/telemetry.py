@@ -49,9 +49,7 @@ class Monitor(ScaleLeaf):
         first = count == 0
         new_mean = torch.where(first, norm, mean + rate * diff)
         new_var = torch.where(first, torch.zeros_like(var), (1 - rate) * (var + rate * diff * diff))
-        finite = torch.isfinite(norm)  # an overflow step leaves the statistics as they were
-        ctx.save(state, mean=torch.where(finite, new_mean, mean), var=torch.where(finite, new_var, var),
-                 count=count + finite.to(count.dtype))
+        ctx.save(state, finite=norm, mean=new_mean, var=new_var, count=count + 1)
         ctx.emit_per_layer("grad_norm", norm)
         ctx.emit_per_layer("grad_norm_ema", new_mean)
         ctx.emit_per_layer("grad_norm_std", new_var.sqrt())

@@ -176,7 +176,7 @@ class Rescale(ScaleLeaf):
             state = ctx.state(shared={"target": ((), 0.0), "steps": ((), 0.0)})
             mean = mean.to(torch.float64)
             held = self._hold(mean, state["target"], state["steps"])
-            ctx.save(state, **_unless_nonfinite(mean, state, target=held, steps=state["steps"] + 1))
+            ctx.save(state, finite=mean, target=held, steps=state["steps"] + 1)
             return [held] * len(layers)
         if self.target == "ema":
             current = flat(layer_norms)
@@ -185,7 +185,7 @@ class Rescale(ScaleLeaf):
             fresh = torch.where(first, current, state["ema"])
             ema = torch.where(first, current, self.decay * state["ema"] + (1 - self.decay) * current)
             held = fresh if self.every is None else self._hold(fresh, state["target"], state["steps"])
-            ctx.save(state, **_unless_nonfinite(current, state, ema=ema, target=held, steps=state["steps"] + 1))
+            ctx.save(state, finite=current, ema=ema, target=held, steps=state["steps"] + 1)
             return list(held.unbind())
         return [self.layer_target(layer) for layer in layers]
 
@@ -194,12 +194,6 @@ class Rescale(ScaleLeaf):
         return torch.where(torch.remainder(steps, self.every) == 0, fresh, held)
 
 
-
-def _unless_nonfinite(norm: torch.Tensor, state: dict[str, torch.Tensor], **new: torch.Tensor) -> dict:
-    """``new`` state where ``norm`` is finite, the old state elsewhere: one overflow step
-    (routine with a GradScaler) must not leave a NaN target behind for good."""
-    finite = torch.isfinite(norm)
-    return {name: torch.where(finite, value, state[name]) for name, value in new.items()}
 
 class _Verbatim(str):
     def __repr__(self) -> str:
