@@ -119,11 +119,13 @@ def capture(
     for key, (module, source) in modules.items():
         if key not in roots:
             prefix = _variable_name(source) if len(modules) > 1 else ""
-            if _names_taken(parameter_owners(module, prefix), owners):
+            named = parameter_owners(module, prefix)
+            if _names_taken(named, owners):
                 prefix = f"{type(module).__name__}#{len(roots)}"
                 renamed.append(prefix)
+                named = parameter_owners(module, prefix)
             roots[key] = Root(weakref.ref(module), prefix)
-            owners[key] = parameter_owners(module, prefix)
+            owners[key] = named
     params = []
     for index, value, chain, root in found:
         owner = owners[id(root)].get(id(value)) if root is not None else None

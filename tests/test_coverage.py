@@ -1,5 +1,6 @@
 """No silent no-ops: graph breaks, uncaptured modules, frozen layers."""
 
+import contextlib
 import copy
 import warnings
 
@@ -46,6 +47,14 @@ class EagerMiddle(nn.Module):
         return self.fc2(h)
 
 
+
+@contextlib.contextmanager
+def coverage_silent():
+    """Fail on any fxgrad coverage warning inside the block."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        yield
+
 def run(model, transform, **backend_kwargs):
     backend = fxgrad.backend(transform, compiler="aot_eager", **backend_kwargs)
     models.loss_of(backend.compile(model)(torch.randn(5, 8))).backward()
@@ -81,8 +90,7 @@ def test_per_layer_clip_is_exact_across_graph_breaks():
     model = BrokenMLP()
     expected = copy.deepcopy(model)
     x = torch.randn(5, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", fxgrad.CoverageWarning)
+    with coverage_silent():
         backend = run(model, fxgrad.clip_by_norm(1e-3))
     assert len(backend.graphs) == 2
     models.loss_of(expected(x)).backward()
@@ -133,8 +141,7 @@ def test_lstm_with_allow_rnn_is_captured():
     model, args, kwargs = models.build("lstm")
     expected = copy.deepcopy(model)
     backend = fxgrad.backend(fxgrad.by_type({nn.LSTM: fxgrad.clip_by_norm(1e-3)}), compiler="aot_eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", fxgrad.CoverageWarning)
+    with coverage_silent():
         models.loss_of(backend.compile(model)(*args)).backward()
     eager_grads(expected, args, kwargs)
     ref.clip_per_layer(expected, 1e-3, select=lambda name, module: isinstance(module, nn.LSTM))
@@ -191,8 +198,7 @@ def test_layers_of_a_submodule_frame_keep_the_models_names(transform, reference)
     eager = copy.deepcopy(model)
     backend = fxgrad.backend(transform, compiler="aot_eager")
     x = torch.randn(8, 16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", fxgrad.CoverageWarning)
+    with coverage_silent():
         models.loss_of(backend.compile(model)(x)).backward()
     assert sorted(layer.name for graph in backend.graphs for layer in graph.layers) == ["blocks.0.fc", "blocks.1.fc"]
     models.loss_of(eager(x)).backward()
@@ -222,8 +228,7 @@ def test_a_graph_reused_for_another_instance_is_reported():
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
     expected = copy.deepcopy(second)
     x = torch.randn(4, 16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", fxgrad.CoverageWarning)
+    with coverage_silent():
         models.loss_of(backend.compile(first)(x)).backward()
     with pytest.warns(fxgrad.CoverageWarning, match="reuses the graph compiled for layer 'net.0'"):
         models.loss_of(backend.compile(second)(x)).backward()
@@ -236,8 +241,7 @@ def test_two_forwards_before_one_backward_are_reported():
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
     compiled = backend.compile(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", fxgrad.CoverageWarning)
+    with coverage_silent():
         for _ in range(2):  # common loops: silent
             loss = models.loss_of(compiled(torch.randn(4, 16)))
             model.zero_grad()  # between forward and backward
@@ -260,8 +264,7 @@ def test_hugging_face_training_steps_raise_no_coverage_warning():
     model, args, kwargs = models.build("gpt2")
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
     compiled = backend.compile(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", fxgrad.CoverageWarning)
+    with coverage_silent():
         for _ in range(2):
             model.zero_grad()
             models.loss_of(compiled(*args, **kwargs)).backward()
@@ -271,8 +274,7 @@ def test_accumulation_is_reported_and_zeroed_gradients_are_not():
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
     compiled = backend.compile(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", fxgrad.CoverageWarning)
+    with coverage_silent():
         for _ in range(3):  # zero_grad(set_to_none=False) keeps zero tensors in .grad
             model.zero_grad(set_to_none=False)
             models.loss_of(compiled(torch.randn(4, 16))).backward()
