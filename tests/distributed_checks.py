@@ -8,7 +8,12 @@ whole-batch gradient is what the ranks should agree on).
 from __future__ import annotations
 
 import copy
+import datetime
+import faulthandler
+import functools
 import os
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -19,18 +24,38 @@ import reference as ref
 from parity import assert_grads_close
 
 BATCH = 8
+STUCK_AFTER_S = 150  # a rank still running then prints every thread's stack and exits
 
 
-def setup(rank: int, world: int, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
+def on_each_rank(check):
+    """Run ``check(rank, world, ...)`` in a gloo process group; fail loudly, never hang.
 
+    The ranks meet through a file, not a TCP port: a port picked free by the
+    launcher can be taken (or self-connected) before rank 0 binds it.
 
-def teardown() -> None:
-    """Both ranks finish before rank 0, which owns the rendezvous store, exits."""
-    dist.barrier()
-    dist.destroy_process_group()
+    A rank that raises prints its traceback and exits at once, skipping the
+    barrier and teardown its peer may never reach. A rank stuck for
+    ``STUCK_AFTER_S`` prints every thread's stack and exits, and a collective
+    waits at most 120 s: a hang shows where it was instead of a bare timeout.
+    """
+
+    @functools.wraps(check)
+    def run(rank: int, world: int, rendezvous_file: str, *args) -> None:
+        faulthandler.dump_traceback_later(STUCK_AFTER_S, exit=True)
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        torch.manual_seed(0)
+        try:
+            check(rank, world, *args)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        dist.barrier()  # neither rank tears the group down while the other still uses it
+        dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
+
+    return run
 
 
 def model_and_data():
@@ -60,9 +85,9 @@ POLICIES = {
 }
 
 
-def ddp_exact(rank: int, world: int, port: int, policy: str) -> None:
+@on_each_rank
+def ddp_exact(rank: int, world: int, policy: str) -> None:
     """scope="step" after DDP's all-reduce equals one process on the whole batch."""
-    setup(rank, world, port)
     make, reference = POLICIES[policy]
     model, x = model_and_data()
     whole = copy.deepcopy(model)
@@ -73,12 +98,11 @@ def ddp_exact(rank: int, world: int, port: int, policy: str) -> None:
     loss(whole(x)).backward()
     reference(whole)
     assert_grads_close(model, whole, rtol=1e-5)
-    teardown()
 
 
-def ddp_local(rank: int, world: int, port: int) -> None:
+@on_each_rank
+def ddp_local(rank: int, world: int) -> None:
     """scope="graph" under DDP: each rank rescales its own gradient, then DDP averages."""
-    setup(rank, world, port)
     model, x = model_and_data()
     parts = []
     for r in range(world):  # what each rank computes on its own half, then rescales
@@ -93,13 +117,12 @@ def ddp_local(rank: int, world: int, port: int) -> None:
     ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
     loss(ddp(half(x, rank, world))).backward()
     assert_grads_close(model, averaged, rtol=1e-5)
-    teardown()
 
 
-def auto_scope_is_exact(rank: int, world: int, port: int) -> None:
+@on_each_rank
+def auto_scope_is_exact(rank: int, world: int) -> None:
     """The default scope in a data-parallel job is exact, applied at optimizer.step(),
     here after 2 accumulated micro-batches (no_sync on the first)."""
-    setup(rank, world, port)
     model, x = model_and_data()
     whole = copy.deepcopy(model)
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
@@ -115,14 +138,13 @@ def auto_scope_is_exact(rank: int, world: int, port: int) -> None:
         loss(whole(torch.cat([half(x, r, world).chunk(2)[k] for r in range(world)]))).backward()
     ref.clip_global(whole, 1e-3)
     assert_grads_close(model, whole, rtol=1e-5)
-    teardown()
 
 
-def fsdp2(rank: int, world: int, port: int, policy: str) -> None:
+@on_each_rank
+def fsdp2(rank: int, world: int, policy: str) -> None:
     """scope="step" on FSDP2's sharded DTensor gradients: norms over whole layers."""
     from torch.distributed.fsdp import fully_shard
 
-    setup(rank, world, port)
     make, reference = POLICIES[policy]
     model, x = model_and_data()
     whole = copy.deepcopy(model)
@@ -139,4 +161,3 @@ def fsdp2(rank: int, world: int, port: int, policy: str) -> None:
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5 * q.grad.abs().max().item(),
                                    msg=name)
-    teardown()

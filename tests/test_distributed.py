@@ -1,6 +1,7 @@
 """DDP (exact and local modes) and FSDP2 with 2 CPU processes over gloo."""
 
-import socket
+import os
+import tempfile
 import time
 
 import pytest
@@ -11,21 +12,16 @@ import distributed_checks as checks
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(fn, *args, timeout: float = 240.0) -> None:
-    """Run ``fn(rank, 2, port, *args)`` in 2 processes; a hang fails instead of blocking CI."""
-    context = mp.spawn(fn, args=(2, free_port(), *args), nprocs=2, join=False)
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{fn.__name__}{args} did not finish in {timeout:.0f} s")
+    """Run ``fn(rank, 2, rendezvous_file, *args)`` in 2 processes; a hang fails instead of blocking CI."""
+    with tempfile.TemporaryDirectory() as folder:
+        context = mp.spawn(fn, args=(2, os.path.join(folder, "rendezvous"), *args), nprocs=2, join=False)
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"{fn.__name__}{args} did not finish in {timeout:.0f} s")
 
 
 @pytest.mark.parametrize("policy", ["global_clip", "per_layer_clip", "rescale"])
