@@ -164,7 +164,11 @@ class Backend:
         entirely eagerly, and Dynamo runs a frame eagerly once it was recompiled
         ``recompile_limit`` times. It warns, or raises
         :class:`fxgrad.CoverageError` when ``strict`` and the policy reduces
-        across layers. Layer names are relative to ``model``.
+        across layers. It also warns when a backward writes the gradient of
+        ``model``'s first trainable parameter without passing through the
+        compiled module (``model(x)`` called instead of the compiled module, or
+        an eager method such as ``get_text_features``). Layer names are relative
+        to ``model``.
         """
         compiled = torch.compile(model, backend=self, **compile_kwargs)
         self._models.append(weakref.ref(model))

@@ -4,6 +4,9 @@ Each is O(1) per step and never syncs. They catch what a backward-graph
 rewrite cannot see from inside the graph:
 
 * a forward that ran no graph of the backend (Dynamo ran it eagerly);
+* a backward that writes the model's gradients without starting from a
+  forward of the compiled model (the original model called instead, or a
+  method other than ``forward``: both run eagerly);
 * a backward that starts while ``.grad`` still holds the previous backward's
   gradient (accumulation: not zeroed since), or while the outputs of another
   forward still wait for their backward (two forwards, one loss):
@@ -43,6 +46,16 @@ TWO_FORWARDS = (
     "optimizer.step()."
 )
 
+BYPASSED = (
+    "fxgrad: a backward wrote the gradient of {param} without passing through a forward of the compiled "
+    "{model}, so the policy {transform!r} did not run on it. Call the module that backend.compile() "
+    "returned, not the original model, and compile methods other than forward yourself: "
+    "torch.compile(model.method, backend=backend)."
+)
+
+# Per model: how many backwards reached the outputs of one of its compiled forwards.
+_PASSES: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
+
 
 class _Forward:
     """One training forward: its outputs (weakly) and whether backward reached them."""
@@ -72,10 +85,18 @@ class ForwardWatch:
         # One parameter's .grad tells accumulation apart from a fresh step: the version
         # its gradient had when backward last wrote it is still current unless someone
         # zeroed it (zero_grad(set_to_none=False) bumps the version; set_to_none drops it).
-        self._probe = next((p for p in model.parameters() if p.requires_grad), None)
+        self._probe_name, self._probe = next(((n, p) for n, p in model.named_parameters() if p.requires_grad),
+                                             (None, None))
         self._written_version: int | None = None
+        # Backwards that reached a compiled forward's outputs (of any backend: explain()
+        # compiles the model with its own), then as of the probe's last gradient write.
+        # No new pass in between: that gradient bypassed the policy.
+        self._passes = _PASSES.setdefault(model, [0])
+        self._passes_seen = self._passes[0]
+        self._compiled: Callable[[], Any] = lambda: None
 
     def install(self, compiled: nn.Module) -> None:
+        self._compiled = weakref.ref(compiled)
         compiled.register_forward_pre_hook(self._before)
         compiled.register_forward_hook(self._after)
         if self._probe is not None:
@@ -83,6 +104,12 @@ class ForwardWatch:
 
     def _grad_written(self, param: nn.Parameter) -> None:
         self._written_version = _compat.tensor_version(param.grad)
+        # Only while the compiled model lives: compiling the model again (another
+        # backend, a notebook cell run twice) leaves this hook on the parameter.
+        if self._passes[0] == self._passes_seen and self.in_graph() and self._compiled() is not None:
+            self.coverage.warn(BYPASSED.format(param=self._probe_name, model=type(self.model).__name__,
+                                               transform=self.coverage.transform))
+        self._passes_seen = self._passes[0]
 
     def _before(self, module: nn.Module, args: Any) -> None:
         self._runs_before = self.graph_runs()
@@ -102,6 +129,7 @@ class ForwardWatch:
             node.register_prehook(lambda grad_outputs, forward=forward: self._backward_reached(forward))
 
     def _backward_reached(self, forward: _Forward) -> None:
+        self._passes[0] += 1
         if forward.reached:
             return
         forward.reached = True

@@ -295,3 +295,49 @@ def test_recompiling_after_a_dynamo_reset_forgets_the_old_graphs():
     ref.clip_global(expected, 1e-3)
     assert_grads_close(model, expected)
     assert len(backend.graphs) == 1
+
+
+class TwoHeads(nn.Module):
+    """``forward`` and a second entry point, ``encode``, sharing the first layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+    def encode(self, x):
+        return self.body(x)
+
+
+def compiled_two_heads():
+    model = TwoHeads()
+    return model, fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager").compile(model)
+
+
+def test_backwards_through_the_compiled_model_are_not_reported_as_bypassing_it():
+    model, compiled = compiled_two_heads()
+    x = torch.randn(4, 8)
+    with coverage_silent():
+        for _ in range(2):
+            model.zero_grad()
+            compiled(x).sum().backward()
+        checkpointed = torch.utils.checkpoint.checkpoint(compiled, x, use_reentrant=False)
+        model.zero_grad()
+        checkpointed.sum().backward()
+        report = fxgrad.explain(model, x, backend=fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager"))
+        assert not report.warnings  # explain's own compile of the same model bypasses nothing
+        model.zero_grad()
+        compiled(x).sum().backward()
+
+
+@pytest.mark.parametrize("call", ["original model", "other method"])
+def test_a_backward_that_bypasses_the_compiled_model_is_reported(call):
+    model, compiled = compiled_two_heads()
+    x = torch.randn(4, 8)
+    compiled(x).sum().backward()
+    model.zero_grad()
+    out = model(x) if call == "original model" else compiled.encode(x)
+    with pytest.warns(fxgrad.CoverageWarning, match="without passing through a forward of the compiled TwoHeads"):
+        out.sum().backward()
