@@ -110,15 +110,18 @@ class StepScope:
             weakref.finalize(self, handle.remove)
 
     def apply(self, models: list[tuple[nn.Module, str]], scaler: Any) -> None:
+        """Run the policy on ``models``' gradients, unless it already ran on them."""
+        if not self._changed(_parameters(models)):
+            return
         self.run(models, scaler)
-        self._seen = {id(p): (weakref.ref(p.grad), _compat.tensor_version(p.grad))
-                      for p in _parameters(models) if p.grad is not None}
+        self._seen.update({id(p): (weakref.ref(p.grad), _compat.tensor_version(p.grad))
+                           for p in _parameters(models) if p.grad is not None})
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         models = self.models()
         ours = {id(p): p for p in _parameters(models)}
         steps_ours = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
-        if not steps_ours or not self._changed(ours.values()):
+        if not steps_ours:
             return
         unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
         self.apply(models, None if unscaled else self.scaler)
