@@ -100,7 +100,9 @@ class MultiNormalize(ScaleLeaf):
                  else f"schedule={dict(self.schedule)!r}")
         threshold = (f"switching_threshold={self.thresholds[0][1]!r}" if len(self.thresholds) == 1
                      else f"threshold_schedule={dict(self.thresholds)!r}")
-        return f"multi_normalize({norms}, {threshold})"
+        extra = "".join(f", {name}={value!r}" for name, value, default in
+                        (("scale", self.scale, 1.0), ("eps", self.eps, 1e-8)) if value != default)
+        return f"multi_normalize({norms}, {threshold}{extra})"
 
     @property
     def candidates(self) -> tuple[str, ...]:
@@ -138,7 +140,8 @@ class MultiNormalize(ScaleLeaf):
         changed = (peaked - reference).abs() > threshold * reference.clamp_min(1e-3)
         switch = (steps == 0) | changed | ~allowed
         new_choice = torch.where(switch, fresh, choice)
-        ctx.save(state, choice=new_choice, reference=torch.where(switch, peaked, reference), steps=steps + 1)
+        ctx.save(state, finite=peaked, choice=new_choice, reference=torch.where(switch, peaked, reference),
+                 steps=steps + 1)
         ctx.emit_per_layer("norm_choice", new_choice)
         ctx.emit_per_layer("peakedness", peaked)
         divisor = torch.zeros_like(steps)

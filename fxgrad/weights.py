@@ -134,7 +134,9 @@ class WeightNormDrift(ScaleLeaf):
         fresh = 1.0 / (1.0 + ratio.log()).clamp_min(self.min_denominator)
         fresh = torch.where(initial > 0, fresh, torch.ones_like(fresh))  # ||W_0|| = 0: no reference
         factor = torch.where(torch.remainder(steps, self.every) == 0, fresh, state["factor"])
-        ctx.save(state, initial=initial, factor=factor, steps=steps + 1)
+        # an overflow step (GradScaler) is skipped: it does not count towards `every`
+        finite = flat(s.sums[2.0] for s in stats)
+        ctx.save(state, finite=finite, initial=initial, factor=factor, steps=steps + 1)
         ctx.emit_per_layer("drift_factor", factor)
         return list(factor.unbind())
 

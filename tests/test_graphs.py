@@ -575,9 +575,16 @@ fxgrad_bitwise_or_1 = aten.bitwise_or.Tensor(fxgrad_bitwise_or, fxgrad_bitwise_n
 fxgrad_where_2 = aten.where.self(fxgrad_bitwise_or_1, fxgrad_where, fxgrad_slice)
 fxgrad_where_3 = aten.where.self(fxgrad_bitwise_or_1, fxgrad_add_6, fxgrad_slice_1)
 fxgrad_add_12 = aten.add.Tensor(fxgrad_slice_2, 1)
-fxgrad_view_6 = aten.view.default(fxgrad_where_2, [-1])
-fxgrad_view_7 = aten.view.default(fxgrad_where_3, [-1])
-fxgrad_view_8 = aten.view.default(fxgrad_add_12, [-1])
+fxgrad_abs_9 = aten.abs.default(fxgrad_add_6)
+fxgrad_ne = aten.ne.Scalar(fxgrad_abs_9, inf)
+fxgrad_eq_8 = aten.eq.Tensor(fxgrad_add_6, fxgrad_add_6)
+fxgrad_mul_17 = aten.mul.Tensor(fxgrad_eq_8, fxgrad_ne)
+fxgrad_where_4 = aten.where.self(fxgrad_mul_17, fxgrad_where_2, fxgrad_slice)
+fxgrad_where_5 = aten.where.self(fxgrad_mul_17, fxgrad_where_3, fxgrad_slice_1)
+fxgrad_where_6 = aten.where.self(fxgrad_mul_17, fxgrad_add_12, fxgrad_slice_2)
+fxgrad_view_6 = aten.view.default(fxgrad_where_4, [-1])
+fxgrad_view_7 = aten.view.default(fxgrad_where_5, [-1])
+fxgrad_view_8 = aten.view.default(fxgrad_where_6, [-1])
 fxgrad_constant_pad_nd_6 = aten.constant_pad_nd.default(fxgrad_view_6, [0, 4], 0.0)
 fxgrad_constant_pad_nd_7 = aten.constant_pad_nd.default(fxgrad_view_7, [2, 2], 0.0)
 fxgrad_add_13 = aten.add.Tensor(fxgrad_constant_pad_nd_6, fxgrad_constant_pad_nd_7)
@@ -588,10 +595,10 @@ fxgrad_full_5 = aten.full.default([2], 0, dtype=torch.float64, layout=torch.stri
 fxgrad_alias_14 = aten.alias.default(fxgrad_full_5)
 fxgrad_alias_15 = aten.alias.default(fxgrad_alias_14)
 fxgrad_alias_16 = aten.alias.default(fxgrad_alias_15)
-fxgrad_eq_8 = aten.eq.Scalar(fxgrad_where_2, 0)
-fxgrad_where_4 = aten.where.self(fxgrad_eq_8, fxgrad_add_4, fxgrad_alias_16)
-fxgrad_eq_9 = aten.eq.Scalar(fxgrad_where_2, 1)
-fxgrad_where_5 = aten.where.self(fxgrad_eq_9, fxgrad_add_5, fxgrad_where_4)
+fxgrad_eq_9 = aten.eq.Scalar(fxgrad_where_2, 0)
+fxgrad_where_7 = aten.where.self(fxgrad_eq_9, fxgrad_add_4, fxgrad_alias_16)
+fxgrad_eq_10 = aten.eq.Scalar(fxgrad_where_2, 1)
+fxgrad_where_8 = aten.where.self(fxgrad_eq_10, fxgrad_add_5, fxgrad_where_7)
 fxgrad_full_6 = aten.full.default([2], 0, dtype=torch.float64, layout=torch.strided, device=device(type='cpu'), pin_memory=False)
 fxgrad_alias_17 = aten.alias.default(fxgrad_full_6)
 fxgrad_alias_18 = aten.alias.default(fxgrad_alias_17)
@@ -603,22 +610,22 @@ fxgrad_clamp_min_7 = aten.clamp_min.default(fxgrad_add_5, 1e-30)
 fxgrad_log_1 = aten.log.default(fxgrad_clamp_min_7)
 fxgrad_add_16 = aten.add.Tensor(fxgrad_add_15, fxgrad_log_1)
 fxgrad_div_2 = aten.div.Tensor(fxgrad_add_16, 2)
-fxgrad_eq_10 = aten.eq.Scalar(fxgrad_alias_2, 0)
+fxgrad_eq_11 = aten.eq.Scalar(fxgrad_alias_2, 0)
 fxgrad_exp = aten.exp.default(fxgrad_div_2)
-fxgrad_where_6 = aten.where.self(fxgrad_eq_10, fxgrad_exp, fxgrad_alias_19)
-fxgrad_eq_11 = aten.eq.Scalar(fxgrad_where_2, 2)
-fxgrad_where_7 = aten.where.self(fxgrad_eq_11, fxgrad_where_6, fxgrad_where_5)
-fxgrad_add_17 = aten.add.Tensor(fxgrad_where_7, 1e-08)
+fxgrad_where_9 = aten.where.self(fxgrad_eq_11, fxgrad_exp, fxgrad_alias_19)
+fxgrad_eq_12 = aten.eq.Scalar(fxgrad_where_2, 2)
+fxgrad_where_10 = aten.where.self(fxgrad_eq_12, fxgrad_where_9, fxgrad_where_8)
+fxgrad_add_17 = aten.add.Tensor(fxgrad_where_10, 1e-08)
 fxgrad_reciprocal = aten.reciprocal.default(fxgrad_add_17)
-fxgrad_mul_17 = aten.mul.Tensor(fxgrad_reciprocal, 1.0)
-fxgrad_unbind = aten.unbind.int(fxgrad_mul_17)
+fxgrad_mul_18 = aten.mul.Tensor(fxgrad_reciprocal, 1.0)
+fxgrad_unbind = aten.unbind.int(fxgrad_mul_18)
 fxgrad_getitem = getitem(fxgrad_unbind, 0)
 fxgrad_getitem_1 = getitem(fxgrad_unbind, 1)
 # scale gradients
-fxgrad_mul_18 = aten.mul.Tensor(grad['0.weight'], fxgrad_getitem)
-fxgrad_mul_19 = aten.mul.Tensor(grad['0.bias'], fxgrad_getitem)
-fxgrad_mul_20 = aten.mul.Tensor(grad['2.weight'], fxgrad_getitem_1)
-fxgrad_mul_21 = aten.mul.Tensor(grad['2.bias'], fxgrad_getitem_1)
+fxgrad_mul_19 = aten.mul.Tensor(grad['0.weight'], fxgrad_getitem)
+fxgrad_mul_20 = aten.mul.Tensor(grad['0.bias'], fxgrad_getitem)
+fxgrad_mul_21 = aten.mul.Tensor(grad['2.weight'], fxgrad_getitem_1)
+fxgrad_mul_22 = aten.mul.Tensor(grad['2.bias'], fxgrad_getitem_1)
 # statistics
 fxgrad_view_9 = aten.view.default(fxgrad_where_2, [-1])
 fxgrad_view_10 = aten.view.default(fxgrad_add_6, [-1])
@@ -627,12 +634,12 @@ fxgrad_constant_pad_nd_10 = aten.constant_pad_nd.default(fxgrad_view_10, [2, 0],
 fxgrad_add_18 = aten.add.Tensor(fxgrad_constant_pad_nd_9, fxgrad_constant_pad_nd_10)
 fxgrad_save_state_1 = fxgrad.save_state.default(<stats>, fxgrad_add_18)
 return {
-    '0.weight': fxgrad_mul_18,
-    '0.bias': fxgrad_mul_19,
+    '0.weight': fxgrad_mul_19,
+    '0.bias': fxgrad_mul_20,
     '1.weight': grad['1.weight'],
     '1.bias': grad['1.bias'],
-    '2.weight': fxgrad_mul_20,
-    '2.bias': fxgrad_mul_21,
+    '2.weight': fxgrad_mul_21,
+    '2.bias': fxgrad_mul_22,
 }
 """)
 
@@ -861,35 +868,49 @@ fxgrad_where_1 = aten.where.self(fxgrad_gt, fxgrad_mul_4, fxgrad_alias_2)
 fxgrad_remainder = aten.remainder.Scalar(fxgrad_slice_2, 10)
 fxgrad_eq_1 = aten.eq.Scalar(fxgrad_remainder, 0)
 fxgrad_where_2 = aten.where.self(fxgrad_eq_1, fxgrad_where_1, fxgrad_slice_1)
-fxgrad_add_3 = aten.add.Tensor(fxgrad_slice_2, 1)
-fxgrad_view = aten.view.default(fxgrad_where, [-1])
-fxgrad_view_1 = aten.view.default(fxgrad_where_2, [-1])
-fxgrad_view_2 = aten.view.default(fxgrad_add_3, [-1])
-fxgrad_constant_pad_nd = aten.constant_pad_nd.default(fxgrad_view, [0, 4], 0.0)
-fxgrad_constant_pad_nd_1 = aten.constant_pad_nd.default(fxgrad_view_1, [2, 2], 0.0)
-fxgrad_add_4 = aten.add.Tensor(fxgrad_constant_pad_nd, fxgrad_constant_pad_nd_1)
-fxgrad_constant_pad_nd_2 = aten.constant_pad_nd.default(fxgrad_view_2, [4, 0], 0.0)
-fxgrad_add_5 = aten.add.Tensor(fxgrad_add_4, fxgrad_constant_pad_nd_2)
-fxgrad_save_state = fxgrad.save_state.default(<0.weight_norm_drift>, fxgrad_add_5)
+fxgrad_view = aten.view.default(fxgrad_add, [-1])
+fxgrad_convert_element_type = prims.convert_element_type.default(fxgrad_view, torch.float64)
+fxgrad_view_1 = aten.view.default(fxgrad_add_1, [-1])
+fxgrad_convert_element_type_1 = prims.convert_element_type.default(fxgrad_view_1, torch.float64)
+fxgrad_constant_pad_nd = aten.constant_pad_nd.default(fxgrad_convert_element_type, [0, 1], 0.0)
+fxgrad_constant_pad_nd_1 = aten.constant_pad_nd.default(fxgrad_convert_element_type_1, [1, 0], 0.0)
+fxgrad_add_3 = aten.add.Tensor(fxgrad_constant_pad_nd, fxgrad_constant_pad_nd_1)
+fxgrad_add_4 = aten.add.Tensor(fxgrad_slice_2, 1)
+fxgrad_abs = aten.abs.default(fxgrad_add_3)
+fxgrad_ne = aten.ne.Scalar(fxgrad_abs, inf)
+fxgrad_eq_2 = aten.eq.Tensor(fxgrad_add_3, fxgrad_add_3)
+fxgrad_mul_5 = aten.mul.Tensor(fxgrad_eq_2, fxgrad_ne)
+fxgrad_where_3 = aten.where.self(fxgrad_mul_5, fxgrad_where, fxgrad_slice)
+fxgrad_where_4 = aten.where.self(fxgrad_mul_5, fxgrad_where_2, fxgrad_slice_1)
+fxgrad_where_5 = aten.where.self(fxgrad_mul_5, fxgrad_add_4, fxgrad_slice_2)
+fxgrad_view_2 = aten.view.default(fxgrad_where_3, [-1])
+fxgrad_view_3 = aten.view.default(fxgrad_where_4, [-1])
+fxgrad_view_4 = aten.view.default(fxgrad_where_5, [-1])
+fxgrad_constant_pad_nd_2 = aten.constant_pad_nd.default(fxgrad_view_2, [0, 4], 0.0)
+fxgrad_constant_pad_nd_3 = aten.constant_pad_nd.default(fxgrad_view_3, [2, 2], 0.0)
+fxgrad_add_5 = aten.add.Tensor(fxgrad_constant_pad_nd_2, fxgrad_constant_pad_nd_3)
+fxgrad_constant_pad_nd_4 = aten.constant_pad_nd.default(fxgrad_view_4, [4, 0], 0.0)
+fxgrad_add_6 = aten.add.Tensor(fxgrad_add_5, fxgrad_constant_pad_nd_4)
+fxgrad_save_state = fxgrad.save_state.default(<0.weight_norm_drift>, fxgrad_add_6)
 fxgrad_unbind = aten.unbind.int(fxgrad_where_2)
 fxgrad_getitem = getitem(fxgrad_unbind, 0)
 fxgrad_getitem_1 = getitem(fxgrad_unbind, 1)
 # scale gradients
-fxgrad_mul_5 = aten.mul.Tensor(grad['0.weight'], fxgrad_getitem)
-fxgrad_mul_6 = aten.mul.Tensor(grad['0.bias'], fxgrad_getitem)
-fxgrad_mul_7 = aten.mul.Tensor(grad['2.weight'], fxgrad_getitem_1)
-fxgrad_mul_8 = aten.mul.Tensor(grad['2.bias'], fxgrad_getitem_1)
+fxgrad_mul_6 = aten.mul.Tensor(grad['0.weight'], fxgrad_getitem)
+fxgrad_mul_7 = aten.mul.Tensor(grad['0.bias'], fxgrad_getitem)
+fxgrad_mul_8 = aten.mul.Tensor(grad['2.weight'], fxgrad_getitem_1)
+fxgrad_mul_9 = aten.mul.Tensor(grad['2.bias'], fxgrad_getitem_1)
 # statistics
-fxgrad_view_3 = aten.view.default(fxgrad_where_2, [-1])
-fxgrad_constant_pad_nd_3 = aten.constant_pad_nd.default(fxgrad_view_3, [0, 0], 0.0)
-fxgrad_save_state_1 = fxgrad.save_state.default(<stats>, fxgrad_constant_pad_nd_3)
+fxgrad_view_5 = aten.view.default(fxgrad_where_2, [-1])
+fxgrad_constant_pad_nd_5 = aten.constant_pad_nd.default(fxgrad_view_5, [0, 0], 0.0)
+fxgrad_save_state_1 = fxgrad.save_state.default(<stats>, fxgrad_constant_pad_nd_5)
 return {
-    '0.weight': fxgrad_mul_5,
-    '0.bias': fxgrad_mul_6,
+    '0.weight': fxgrad_mul_6,
+    '0.bias': fxgrad_mul_7,
     '1.weight': grad['1.weight'],
     '1.bias': grad['1.bias'],
-    '2.weight': fxgrad_mul_7,
-    '2.bias': fxgrad_mul_8,
+    '2.weight': fxgrad_mul_8,
+    '2.bias': fxgrad_mul_9,
 }
 """)
 

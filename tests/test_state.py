@@ -289,6 +289,8 @@ def test_state_and_stats_survive_a_layer_frozen_every_other_step(scope):
 @pytest.mark.parametrize("policy", [
     fxgrad.chain(fxgrad.monitor(), fxgrad.rescale(target="ema", decay=0.5)),
     fxgrad.rescale(alpha=0.5, every=2),
+    fxgrad.multi_normalize(),
+    fxgrad.weight_norm_drift(every=2),
 ])
 def test_an_overflow_step_leaves_no_nonfinite_state(policy):
     """Steps after an Inf/NaN step equal a run without it (a GradScaler skips such steps)."""
@@ -297,18 +299,22 @@ def test_an_overflow_step_leaves_no_nonfinite_state(policy):
         model = models.MLP()
         backend = fxgrad.backend(policy, compiler="aot_eager")
         compiled = backend.compile(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         grads = []
         for x, weight in steps:
             model.zero_grad()
             (models.loss_of(compiled(x)) * weight).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
+            if all(torch.isfinite(g).all() for g in grads[-1]):  # as a GradScaler skips the step
+                optimizer.step()
         return grads, backend.stats()
 
     xs = [x for _, x, _ in batches(3)]
     clean, clean_stats = run([(x, 1.0) for x in xs])
     spiked, spiked_stats = run([(xs[0], 1.0), (xs[0], math.inf)] + [(x, 1.0) for x in xs[1:]])
+    spiked_first, _ = run([(xs[0], math.inf)] + [(x, 1.0) for x in xs])  # a GradScaler's usual start
     assert not all(torch.isfinite(g).all() for g in spiked[1])
-    for a, b in zip(spiked[2:], clean[1:]):
+    for a, b in zip(spiked[2:] + spiked_first[1:], clean[1:] + clean):
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y)
     for key in clean_stats:

@@ -114,3 +114,6 @@ def test_transforms_are_immutable_and_readable():
         "clip_by_global_norm(max_norm=1.0, norm_type=inf))"
     )
     assert fxgrad.clip_by_norm(1.0) == clip and hash(fxgrad.clip_by_norm(1.0)) == hash(clip)
+    normalizing = fxgrad.multi_normalize(scale=0.5, eps=1e-4)
+    assert repr(normalizing) == "multi_normalize(norms=('l2', 'linf'), switching_threshold=0.1, scale=0.5, eps=0.0001)"
+    assert eval(repr(normalizing), vars(fxgrad)) == normalizing
