@@ -46,12 +46,25 @@ def norm_type(value: Any) -> float:
     return positive("norm_type", value)
 
 
-def positive_int(name: str, value: Any) -> int:
-    """An int >= 1 (bools refused)."""
+# Step counters live on the device in float64, which counts exactly up to 2**53.
+MAX_STEP = 2**53
+
+
+def positive_int(name: str, value: Any, maximum: int = MAX_STEP, why: str = "steps are counted in float64") -> int:
+    """An int in ``[1, maximum]`` (bools refused); ``why`` explains the bound."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value!r}")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum} ({why}), got {value!r}")
+    return int(value)
+
+
+def step(name: str, value: Any) -> int:
+    """A training step number in ``[0, MAX_STEP]`` (a schedule key)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= MAX_STEP:
+        raise ValueError(f"{name} keys must be steps in [0, 2**53], got {value!r}")
     return int(value)
 
 

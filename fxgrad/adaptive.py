@@ -25,6 +25,8 @@ from fxgrad.context import RouteContext
 from fxgrad.layers import Layer
 from fxgrad.norms import Factor, NormStats
 
+BUFFER_MAX = 10**6  # entries of a history kept on the device
+
 
 def _report(ctx: RouteContext, total: torch.Tensor, coef: torch.Tensor) -> None:
     ctx.emit("grad_norm/total", total)
@@ -153,7 +155,7 @@ def autoclip(percentile: float = 90, history: int = 100, blend: float = 0.1) -> 
     percentile = _validate.real_number("percentile", percentile)
     if not 0 <= percentile <= 100:
         raise ValueError(f"percentile must be in [0, 100], got {percentile!r}")
-    history = _validate.positive_int("history", history)
+    history = _validate.positive_int("history", history, BUFFER_MAX, "a buffer on the device, sorted every step")
     blend = _validate.real_number("blend", blend)
     if not 0 < blend <= 1:
         raise ValueError(f"blend must be in (0, 1], got {blend!r}")
@@ -188,5 +190,6 @@ def zclip(alpha: float = 0.97, z_thresh: float = 2.5, max_norm: float | None = 1
     z_thresh = _validate.positive("z_thresh", z_thresh, allow_inf=False)
     if max_norm is not None:
         max_norm = _validate.positive("max_norm", max_norm)
-    return ZClip(alpha, z_thresh, max_norm, _validate.positive_int("warmup", warmup))
+    return ZClip(alpha, z_thresh, max_norm,
+                 _validate.positive_int("warmup", warmup, BUFFER_MAX, "its norms are kept in a buffer on the device"))
 

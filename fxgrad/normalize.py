@@ -232,11 +232,8 @@ def _norm_list(name: str, norms) -> tuple[str, ...]:
 def _piecewise(name: str, mapping, check) -> tuple:
     if not isinstance(mapping, Mapping) or not mapping:
         raise TypeError(f"{name} must be a non-empty dict {{start_step: value}}, got {mapping!r}")
-    items = []
-    for start, value in sorted(mapping.items()):
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ValueError(f"{name} keys must be steps >= 0, got {start!r}")
-        items.append((start, check(f"{name}[{start}]", value)))
+    steps = sorted((_validate.step(name, start), value) for start, value in mapping.items())
+    items = [(start, check(f"{name}[{start}]", value)) for start, value in steps]
     if items[0][0] != 0:
         raise ValueError(f"{name} must start at step 0, got {items[0][0]}")
     return tuple(items)
@@ -290,4 +287,4 @@ def sinkhorn(iters: int = 5) -> Sinkhorn:
         >>> sinkhorn(iters=3)
         sinkhorn(iters=3)
     """
-    return Sinkhorn(_validate.positive_int("iters", iters))
+    return Sinkhorn(_validate.positive_int("iters", iters, 100, "each iteration is unrolled into the backward graph"))

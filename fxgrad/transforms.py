@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import inspect
 from typing import Callable, ClassVar, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
-from fxgrad import _validate, norms
+from fxgrad import _compat, _validate, norms
 from fxgrad.base import LayerGrads, Leaf, ScaleLeaf
 from fxgrad.context import RouteContext
 from fxgrad.layers import Layer
@@ -151,7 +152,8 @@ class Rescale(ScaleLeaf):
         """``T_l`` for a constant or callable target (not for ``"mean"``)."""
         if not callable(self.target):
             return float(self.target)
-        value = self.target(layer.depth, layer)
+        with _compat.outside_dispatch_modes():  # user code, run at compile time on plain values
+            value = self.target(layer.depth, layer)
         try:
             return _validate.positive("target", value, allow_inf=False)
         except (TypeError, ValueError) as error:
@@ -303,7 +305,9 @@ def rescale(
     if isinstance(target, str):
         if target not in ("mean", "ema"):
             raise ValueError(f"target must be 'mean', 'ema', a positive number or a callable, got {target!r}")
-    elif not callable(target):
+    elif callable(target):
+        _check_target_signature(target)
+    else:
         target = _validate.positive("target", target, allow_inf=False)
     if every is not None:
         every = _validate.positive_int("every", every)
@@ -319,6 +323,18 @@ def rescale(
         for key, value in multipliers.items()
     )
     return Rescale(alpha=alpha, target=target, multipliers=pairs, every=every, decay=decay)
+
+
+def _check_target_signature(target: Callable) -> None:
+    """A callable target must take ``(depth, layer)``."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # some builtins have none: nothing to check
+        return
+    try:
+        signature.bind(0.0, None)
+    except TypeError as error:
+        raise TypeError(f"target must be called as target(depth, layer), but {target!r} {error}") from None
 
 
 __all__ = [

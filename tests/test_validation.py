@@ -75,6 +75,15 @@ CASES = [
     (lambda: fxgrad.balance_norms(k=0), ValueError, "k"),
     (lambda: fxgrad.balance_norms(lam=-1), ValueError, "lam"),
     (lambda: fxgrad.balance_norms(entropy_drop=-0.1), ValueError, "entropy_drop"),
+    (lambda: fxgrad.rescale(every=2**70), ValueError, "every"),
+    (lambda: fxgrad.monitor(warmup=10**400), ValueError, "warmup"),
+    (lambda: fxgrad.autoclip(history=2**40), ValueError, "history"),
+    (lambda: fxgrad.zclip(warmup=2**40), ValueError, "warmup"),
+    (lambda: fxgrad.sinkhorn(iters=10**6), ValueError, "iters"),
+    (lambda: fxgrad.weight_norm_drift(every=10**400), ValueError, "every"),
+    (lambda: fxgrad.multi_normalize(schedule={0: ("l2",), 10**400: ("linf",)}), ValueError, "schedule"),
+    (lambda: fxgrad.multi_normalize(schedule={0: ("l2",), "5": ("linf",)}), ValueError, "schedule"),
+    (lambda: fxgrad.rescale(target=lambda depth: 1.0), TypeError, "target"),
     (lambda: fxgrad.backend("clip"), TypeError, "transform"),
     (lambda: fxgrad.backend(compiler="eager"), ValueError, "compiler"),
     (lambda: fxgrad.backend(strict="yes"), TypeError, "strict"),
@@ -92,10 +101,11 @@ def test_bad_input_is_rejected_at_construction(build, error, argument):
         build()
 
 
-def test_callable_target_returning_garbage_names_the_layer():
-    backend = fxgrad.backend(fxgrad.rescale(target=lambda depth, layer: -1.0), compiler="aot_eager")
+@pytest.mark.parametrize("value,error", [(-1.0, ValueError), (torch.tensor(0.1), TypeError)])
+def test_callable_target_returning_garbage_names_the_layer(value, error):
+    backend = fxgrad.backend(fxgrad.rescale(target=lambda depth, layer: value), compiler="aot_eager")
     model = nn.Sequential(nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="(?s)target.*'0'"):
+    with pytest.raises(error, match="(?s)target.*'0'"):
         backend.compile(model)(torch.randn(1, 2)).sum().backward()
 
 
