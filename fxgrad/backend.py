@@ -21,7 +21,7 @@ import contextlib
 import functools
 import gc
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.fx
@@ -274,7 +274,21 @@ class Backend:
         return self.store.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore :meth:`state_dict` (before or after the first compile)."""
+        """Restore :meth:`state_dict` (before or after the first compile).
+
+        A key no transform of this policy owns (the checkpoint of another
+        policy, or of this one with transforms added before it) raises
+        ``ValueError``, and so does a shape that differs from this policy's.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+        routes = [] if self.transform is None else self.transform.routes(())
+        owners = [f"{index}.{route.leaf.name}/" for index, route in enumerate(routes)]
+        unknown = sorted(key for key in state if not isinstance(key, str) or not key.startswith(tuple(owners)))
+        if unknown:
+            shown = ", ".join(map(repr, unknown[:5])) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            raise ValueError(f"state has keys no transform of {self.transform!r} owns: {shown}. Its keys start "
+                             f"with <position>.<transform>/: {', '.join(owners) or 'none (no transform)'}")
         self.store.load_state_dict(state)
 
 

@@ -79,7 +79,7 @@ class Slots:
         new = [(key, shape, init) for key, shape, init in entries if key not in self.layout]
         if new:
             with _compat.outside_dispatch_modes():
-                values = [initial[key].reshape(shape) if key in initial else torch.full(shape, init)
+                values = [_loaded(key, initial[key], shape) if key in initial else torch.full(shape, init)
                           for key, shape, init in new]
                 pieces = [self.buffer] + [v.to(torch.float64).reshape(-1).to(self.device) for v in values]
                 offset = self.buffer.numel()
@@ -232,10 +232,20 @@ class StateStore:
         """Restore entries; keys of transforms not compiled yet wait for them."""
         live = self.values()
         for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"state {key!r} must be a tensor, got {type(value).__name__}")
             if key in live:
-                live[key].copy_(value)
+                live[key].copy_(_loaded(key, value, tuple(live[key].shape)))
             else:
                 self._pending[key] = value.clone()
+
+
+def _loaded(key: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A checkpoint's ``value`` for entry ``key``, which has ``shape`` in this policy."""
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"state {key!r} has shape {tuple(value.shape)} in the checkpoint but {tuple(shape)} in "
+                         "this policy (a history or warm-up of another length?)")
+    return value
 
 
 def group_label(name: str) -> str | None:

@@ -241,6 +241,22 @@ def test_checkpoint_resume_matches_an_uninterrupted_run():
             torch.testing.assert_close(x, y)
 
 
+def test_a_checkpoint_of_another_policy_is_refused():
+    model = models.MLP()
+    saved = fxgrad.backend(fxgrad.autoclip(history=6), compiler="aot_eager")
+    models.loss_of(saved.compile(model)(torch.randn(4, 16))).backward()
+    state = saved.state_dict()
+    moved = fxgrad.backend(fxgrad.chain(fxgrad.monitor(), fxgrad.autoclip(history=6)), compiler="aot_eager")
+    with pytest.raises(ValueError, match="no transform of .* owns: '0.autoclip/count'.*0.monitor/, 1.autoclip/"):
+        moved.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"'0.autoclip/history' has shape \(\) in the checkpoint but \(6,\)"):
+        saved.load_state_dict({**state, "0.autoclip/history": torch.tensor(7.0)})
+    shorter = fxgrad.backend(fxgrad.autoclip(history=3), compiler="aot_eager")
+    shorter.load_state_dict(state)  # checked once compiling places the entries
+    with pytest.raises(ValueError, match=r"has shape \(6,\) in the checkpoint but \(3,\)"):
+        models.loss_of(shorter.compile(models.MLP())(torch.randn(4, 16))).backward()
+
+
 def test_two_backends_never_share_state():
     a = fxgrad.backend(fxgrad.autoclip(), compiler="aot_eager")
     b = fxgrad.backend(fxgrad.autoclip(), compiler="aot_eager")
