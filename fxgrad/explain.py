@@ -104,13 +104,16 @@ def explain(model: nn.Module, *args: Any, backend: Backend, **kwargs: Any) -> Re
     The loss is ``output.loss`` when the output has one (Hugging Face models),
     otherwise the sum of the floating-point outputs. ``model`` is left as it
     was: its gradients, buffers (BatchNorm statistics) and the RNG state are
-    restored afterwards. Coverage problems are reported, not raised.
+    restored afterwards. Coverage problems are reported, not raised. The
+    backward is of the unscaled loss, so a backend's ``GradScaler`` is left
+    out: the graphs shown do not divide the norms by the loss scale.
     """
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
+    # A GradScaler has no scale before its first scaled backward, and this one is unscaled.
     probe = Backend(
         backend.transform, skip=backend.skip, compiler=backend.compiler, strict=False, keep_code=True,
-        scaler=backend.scaler, scope=backend.scope,
+        scope=backend.scope,
     )
     with _restored(model), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CoverageWarning)

@@ -87,3 +87,10 @@ def test_loss_is_sum_of_floating_outputs_without_loss_attribute():
     out = model(x)
     torch.testing.assert_close(report.loss, out["a"].sum() + out["b"][0].sum())
     assert [row.action for row in report.layers] == ["untouched", "untouched"]
+
+
+def test_a_backend_with_a_grad_scaler_is_explained_before_its_first_scaled_backward():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    backend = aot(fxgrad.clip_by_global_norm(1.0), scaler=torch.amp.GradScaler("cpu"))
+    report = fxgrad.explain(model, torch.randn(2, 4), backend=backend)
+    assert report.layers[0].action == "clip_by_global_norm(max_norm=1.0)"
