@@ -32,15 +32,12 @@ _latest: dict[str, Backend] = {}
 def fxgrad_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None) -> Any:
     """Dynamo calls this once per graph; graphs of one model with the same options share
     one Backend (its state and statistics), other models get their own."""
-    spec = dict(options or {})
-    if not spec:
-        path = os.environ.get(CONFIG_ENV)
-        if not path:
-            raise ValueError(
-                'backend="fxgrad" needs a policy: pass options={"transform": ...} to '
-                f"torch.compile, or set {CONFIG_ENV}=<policy.json>"
-            )
-        spec = load(path)
+    spec = _spec(options)
+    if spec is None:
+        raise ValueError(
+            'backend="fxgrad" needs a policy: pass options={"transform": ...} to '
+            f"torch.compile, or set {CONFIG_ENV}=<policy.json>"
+        )
     key = _key(spec)
     model = graph_model(gm, example_inputs, list(_backends.keys()))
     table = _backends.setdefault(model, {}) if model is not None else _without_model
@@ -50,12 +47,24 @@ def fxgrad_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     return table[key](gm, example_inputs)
 
 
-def backend_for(options: dict, model: nn.Module | None = None) -> Backend | None:
-    """The Backend built for these options and ``model`` (default: the one that compiled a
-    graph last), once a graph has been compiled with them."""
+def backend_for(options: dict | None = None, model: nn.Module | None = None) -> Backend | None:
+    """The Backend built for these options (none: the ``FXGRAD_CONFIG`` file's policy) and
+    ``model`` (default: the one that compiled a graph last), once a graph has been
+    compiled with them."""
+    spec = _spec(options)
+    if spec is None:
+        return None
     if model is None:
-        return _latest.get(_key(options))
-    return _backends.get(model, {}).get(_key(options))
+        return _latest.get(_key(spec))
+    return _backends.get(model, {}).get(_key(spec))
+
+
+def _spec(options: dict | None) -> dict | None:
+    """``options``, or the ``FXGRAD_CONFIG`` file's when there are none (None: neither)."""
+    if options:
+        return dict(options)
+    path = os.environ.get(CONFIG_ENV)
+    return load(path) if path else None
 
 
 def _key(spec: dict) -> str:

@@ -73,6 +73,8 @@ def test_policy_from_file_via_environment(tmp_path, monkeypatch):
     models.loss_of(expected(x)).backward()
     ref.clip_per_layer(expected, 1e-3)
     assert_grads_close(model, expected)
+    assert backend_for(model=model) is backend_for() is not None  # the file's backend, without its options
+    assert backend_for().transform == fxgrad.clip_by_norm(1e-3)
 
 
 def test_config_file_key(tmp_path):
