@@ -129,30 +129,32 @@ class Backend:
         with _compat.autograd_cache_bypassed():
             compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite)
 
-        probe = graph.params[0] if graph.params else None
-
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
             self._graph_runs += 1  # lets compile() see forwards that ran no compiled graph
-            if probe is not None and args[probe.index] is not probe.tensor():
-                self._reused(graph)
+            if graph.params and args[graph.params[0].index] is not graph.params[0].tensor():
+                self._rebind(graph, args)
             return compiled(*args)
 
         graph.compiled = weakref.ref(run)
         return run
 
-    def _reused(self, graph: CapturedGraph) -> None:
-        """Dynamo runs ``graph`` for parameters other than those it was compiled for."""
-        if self._coverage is None:
+    def _rebind(self, graph: CapturedGraph, args: tuple) -> None:
+        """Dynamo runs ``graph`` with parameters other than those it was compiled for.
+
+        Weight reads follow the new ones. Parameters replaced in their modules
+        (``load_state_dict(assign=True)``) need nothing else; another module
+        running the graph shares the first one's per-layer state.
+        """
+        if graph.rebind(args) or self._coverage is None:
             return
-        first = graph.params[0]
         self._coverage.warn(
-            f"fxgrad: Dynamo reuses the graph compiled for layer {first.layer!r} with other parameters (the "
-            "same code run for another module: a graph break inside a repeated block's forward, or a second "
-            "model of the same class). The gradients are transformed, but per-layer "
-            "state, statistics and weight reads (adaptive_grad_clip, scale_by_trust_ratio, "
-            "weight_norm_drift, balance_norms) follow the first instance's layers. Remove the graph "
-            "break, give each model its own fxgrad.backend(...), or use scope='step'."
+            f"fxgrad: Dynamo reuses the graph compiled for layer {graph.params[0].layer!r} with the parameters "
+            "of another module (a graph break inside a repeated block's forward, or a second model of the "
+            "same class). The gradients are transformed and weight reads follow the module that runs, but "
+            "per-layer state and statistics (monitor, rescale's EMA target, weight_norm_drift) are those of "
+            "the first module's layers. Remove the graph break, give each model its own "
+            "fxgrad.backend(...), or use scope='step'."
         )
 
     def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
@@ -197,9 +199,7 @@ class Backend:
         graph.routes = plan.active_routes()
         if self.keep_code:
             graph.backward_before = normalize_code(gm.code)
-        tensors = {p.name: p.tensor for p in graph.params}
-        rewrite_backward(gm, plan, outputs, self.store, self.scaler, lambda names: [tensors[n]() for n in names],
-                         self.registry.frame_index(graph))
+        rewrite_backward(gm, plan, outputs, self.store, self.scaler, graph.tensors, self.registry.frame_index(graph))
         if self.keep_code:
             self._keep_code(graph, gm, outputs, has_grad)
 

@@ -41,6 +41,12 @@ class ParamSlot:
     numel: int
     root: int | None  # id() of the model it belongs to, None for a loose tensor
     tensor: weakref.ref  # the parameter itself, for transforms that read weights
+    module: weakref.ref | None = None  # the module that owns it (None for a loose tensor)
+
+    def held_by_owner(self, tensor: torch.Tensor) -> bool:
+        """Whether the owning module now holds ``tensor`` under this parameter's name."""
+        module = self.module() if self.module is not None else None
+        return module is not None and getattr(module, self.name.rpartition(".")[2], None) is tensor
 
 
 @dataclasses.dataclass
@@ -75,9 +81,26 @@ class CapturedGraph:
     renamed_roots: list = dataclasses.field(default_factory=list)
     # The compiled callable Dynamo holds; dead after torch._dynamo.reset():
     compiled: weakref.ref | None = None
+    _by_name: dict | None = dataclasses.field(default=None, repr=False)
 
     def live(self) -> bool:
         return self.compiled is None or self.compiled() is not None
+
+    def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """The parameters ``names`` stand for now (weight-reading transforms call this each step)."""
+        if self._by_name is None:
+            self._by_name = {p.name: p.tensor for p in self.params}
+        return [self._by_name[name]() for name in names]
+
+    def rebind(self, inputs: Sequence) -> bool:
+        """Follow the parameters a call passes instead of those the graph was compiled
+        with; returns whether they replaced those in the same modules
+        (``load_state_dict(assign=True)``) rather than belong to another module
+        that Dynamo runs this graph for."""
+        replaced = self.params[0].held_by_owner(inputs[self.params[0].index])
+        self.params = [dataclasses.replace(p, tensor=weakref.ref(inputs[p.index])) for p in self.params]
+        self._by_name = None
+        return replaced
 
     def param_names(self) -> set[str]:
         return {p.name for p in self.params}
@@ -141,6 +164,7 @@ def capture(
                 numel=value.numel(),
                 root=id(root) if root is not None else None,
                 tensor=weakref.ref(value),
+                module=weakref.ref(owner.module) if owner.module is not None else None,
             )
         )
     compile_id, attempt = _compat.compile_id(gm)

@@ -87,6 +87,8 @@ class ForwardWatch:
         # zeroed it (zero_grad(set_to_none=False) bumps the version; set_to_none drops it).
         self._probe_name, self._probe = next(((n, p) for n, p in model.named_parameters() if p.requires_grad),
                                              (None, None))
+        owner, _, self._probe_attr = (self._probe_name or "").rpartition(".")
+        self._probe_owner = model.get_submodule(owner) if self._probe is not None else None
         self._written_version: int | None = None
         # Backwards that reached a compiled forward's outputs (of any backend: explain()
         # compiles the model with its own), then as of the probe's last gradient write.
@@ -102,7 +104,16 @@ class ForwardWatch:
         if self._probe is not None:
             self._probe.register_post_accumulate_grad_hook(self._grad_written)
 
+    def _follow_probe(self) -> None:
+        """``load_state_dict(assign=True)`` replaces parameters: watch the new one."""
+        current = getattr(self._probe_owner, self._probe_attr, None)
+        if isinstance(current, nn.Parameter) and current is not self._probe:
+            self._probe, self._written_version = current, None
+            current.register_post_accumulate_grad_hook(self._grad_written)
+
     def _grad_written(self, param: nn.Parameter) -> None:
+        if param is not self._probe:  # replaced since
+            return
         self._written_version = _compat.tensor_version(param.grad)
         # Only while the compiled model lives: compiling the model again (another
         # backend, a notebook cell run twice) leaves this hook on the parameter.
@@ -120,6 +131,7 @@ class ForwardWatch:
         self._first = False
         if not torch.is_grad_enabled() or not self.in_graph():
             return
+        self._follow_probe()
         outputs = [t for t in _compat.tensors_in(output) if t.grad_fn is not None]
         if not outputs:
             return

@@ -341,3 +341,22 @@ def test_a_backward_that_bypasses_the_compiled_model_is_reported(call):
     out = model(x) if call == "original model" else compiled.encode(x)
     with pytest.warns(fxgrad.CoverageWarning, match="without passing through a forward of the compiled TwoHeads"):
         out.sum().backward()
+
+
+def test_parameters_replaced_by_load_state_dict_assign_are_followed():
+    """Dynamo passes the new Parameter objects to the same graph: weight reads follow them."""
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.adaptive_grad_clip(0.05), compiler="aot_eager")
+    compiled = backend.compile(model)
+    x = torch.randn(4, 16)
+    models.loss_of(compiled(x)).backward()
+    old = list(model.parameters())  # still alive, as an optimizer would keep them
+    new_state = {k: v * 0.1 for k, v in model.state_dict().items()}
+    model.load_state_dict(new_state, assign=True)
+    expected = copy.deepcopy(model)
+    with coverage_silent():
+        models.loss_of(compiled(x)).backward()
+    models.loss_of(expected(x)).backward()
+    ref.agc(expected, 0.05)
+    assert_grads_close(model, expected)
+    assert len(old) == len(list(model.parameters())) and len(backend.graphs) == 1
