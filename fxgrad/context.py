@@ -225,6 +225,7 @@ def _row_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 def _row_norms(param: torch.Tensor) -> torch.Tensor:
     """Unit-wise norms as AGC defines them: per output row for 2+ dims, whole tensor else."""
+    values = param if param.is_complex() else param.float()
     if param.dim() <= 1:
-        return torch.linalg.vector_norm(param.float())
-    return torch.linalg.vector_norm(param.float(), dim=tuple(range(1, param.dim())), keepdim=True)
+        return torch.linalg.vector_norm(values)
+    return torch.linalg.vector_norm(values, dim=tuple(range(1, param.dim())), keepdim=True)

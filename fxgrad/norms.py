@@ -48,9 +48,15 @@ def widen(tensor: torch.Tensor) -> torch.Tensor:
     return cast(tensor, accumulation_dtype(tensor))
 
 
+def magnitude(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or ``|tensor|`` (real) when it is complex: norms see moduli, as
+    ``torch.linalg.vector_norm`` does."""
+    return tensor.abs() if tensor.is_complex() else tensor
+
+
 def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     """``sum |t|^p`` over all elements (``max |t|`` for ``p = inf``), a 0-dim tensor."""
-    wide = [widen(t) for t in tensors]
+    wide = [widen(magnitude(t)) for t in tensors]
     if math.isinf(p):
         return _reduce([t.abs().amax() for t in wide], torch.maximum)
     if p == 2.0:
@@ -68,6 +74,7 @@ def l2(tensor: torch.Tensor, dim: int | tuple[int, ...] | None = None, keepdim: 
     them skips its Python decomposition (~0.7 ms per call; sinkhorn makes 11 per
     parameter).
     """
+    tensor = magnitude(tensor)
     squares = tensor * tensor
     return (squares.sum() if dim is None else squares.sum(dim, keepdim=keepdim)).sqrt()
 

@@ -223,10 +223,13 @@ def agc(model, clipping=0.01, eps=1e-3):
         dims = tuple(range(1, x.dim()))
         return x.norm() if x.dim() <= 1 else torch.linalg.vector_norm(x, dim=dims, keepdim=True)
 
+    def wide(x):  # complex values keep their imaginary part
+        return x.to(torch.complex128 if x.is_complex() else torch.float64)
+
     for _, _, params in trainable_layers(model):
         for p in params:
-            g = p.grad.double()
-            bound = unitwise(p.detach().double()).clamp(min=eps) * clipping
+            g = wide(p.grad)
+            bound = unitwise(wide(p.detach())).clamp(min=eps) * clipping
             norm = unitwise(g)
             p.grad.copy_(torch.where(norm < bound, g, g * (bound / norm.clamp(min=1e-6))).to(p.grad.dtype))
 

@@ -1,4 +1,4 @@
-"""Frozen parameters, shared parameters, buffers, dynamic shapes, low precision."""
+"""Frozen parameters, shared parameters, buffers, dynamic shapes, low precision, complex values."""
 
 import copy
 
@@ -118,3 +118,46 @@ def test_compiled_autograd_is_refused_in_graph_scope():
             backend.compile(model)(torch.randn(2, 16))
         torch._dynamo.reset()
 
+
+
+class ComplexHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.real, self.complex = nn.Linear(8, 16), nn.Linear(16, 16, dtype=torch.cfloat)
+
+    def forward(self, x):
+        return self.complex(self.real(x).to(torch.cfloat)).abs()
+
+
+def layer_norms(model, p=2.0):
+    return [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad, p) for q in m.parameters()]), p)
+            for m in (model.real, model.complex)]
+
+
+def complex_step(transform):
+    torch.manual_seed(0)
+    model = ComplexHead()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    compile_and_step(model, transform, x)
+    models.loss_of(eager(x)).backward()
+    return model, eager
+
+
+@pytest.mark.parametrize("transform,reference", [
+    (fxgrad.clip_by_global_norm(1e-3), lambda eager: ref.clip_global(eager, 1e-3)),
+    (fxgrad.clip_by_norm(1e-3), lambda eager: ref.clip_per_layer(eager, 1e-3)),
+    (fxgrad.adaptive_grad_clip(0.01), lambda eager: ref.agc(eager, 0.01)),
+], ids=["global_clip", "per_layer_clip", "agc"])
+def test_complex_gradients_are_clipped_as_clip_grad_norm_does(transform, reference):
+    """Norms of complex gradients use the moduli |z|, as torch.linalg.vector_norm does."""
+    model, eager = complex_step(transform)
+    reference(eager)
+    assert_grads_close(model, eager)
+
+
+def test_complex_gradients_are_rescaled_and_normalized_by_their_moduli():
+    model, _ = complex_step(fxgrad.rescale(alpha=1.0, target=0.01))
+    assert layer_norms(model) == pytest.approx([0.01, 0.01])
+    model, _ = complex_step(fxgrad.normalize("linf"))
+    assert layer_norms(model, float("inf")) == pytest.approx([1.0, 1.0])
