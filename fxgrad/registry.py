@@ -10,8 +10,42 @@ graph, or nowhere.
 
 from __future__ import annotations
 
+from typing import Iterable, Sequence
+
 from fxgrad.capture import CapturedGraph, Root
 from fxgrad.layers import Layer, ParamRow, SkipEntry, build_layers, model_rows
+
+
+def merged_order(known: Sequence[str], graph_order: Iterable[str]) -> list[str]:
+    """``known`` plus the new layers of a graph, each placed where the graph uses it.
+
+    A recompile that uses a new layer (a branch taken only now) puts it after
+    the known layer the graph used just before it, not after every known layer;
+    a graph of only new layers (the code after a graph break) comes last.
+
+        >>> merged_order(["stem", "e1", "head"], ["stem", "e2", "e1", "head"])
+        ['stem', 'e2', 'e1', 'head']
+        >>> merged_order(["a", "b"], ["c", "d"])
+        ['a', 'b', 'c', 'd']
+    """
+    order = list(known)
+    position = {name: i for i, name in enumerate(order)}
+    pending: list[str] = []
+    anchor = None  # index in `order` of the last known layer this graph used
+    for name in graph_order:
+        if name not in position:
+            pending.append(name)
+            continue
+        if pending:  # new layers used before this known one: insert them just before it
+            at = position[name] if anchor is None else anchor + 1
+            order[at:at] = pending
+            position = {n: i for i, n in enumerate(order)}
+            pending = []
+        anchor = position[name]
+    if pending:
+        at = len(order) if anchor is None else anchor + 1
+        order[at:at] = pending
+    return order
 
 
 class GraphRegistry:
@@ -20,7 +54,7 @@ class GraphRegistry:
     def __init__(self) -> None:
         self.graphs: list[CapturedGraph] = []
         self.roots: dict[int, Root] = {}
-        self._forward_order: dict[str, None] = {}  # layer names, first use first
+        self._forward_order: list[str] = []  # layer names, first use first
         self._frames: dict[int | None, int] = {}  # Dynamo frame id -> its number here, first compiled first
 
     def add(self, graph: CapturedGraph) -> None:
@@ -30,7 +64,7 @@ class GraphRegistry:
                        if g.live() and (g.compile_id != graph.compile_id or g.attempt >= graph.attempt)]
         self.graphs.append(graph)
         self._frames.setdefault(graph.compile_id[0], len(self._frames))
-        self._forward_order.update(dict.fromkeys(p.layer for p in graph.params))
+        self._forward_order = merged_order(self._forward_order, dict.fromkeys(p.layer for p in graph.params))
 
     def forward_order(self) -> list[str]:
         """Layer names in the order the compiled forward first used them."""
