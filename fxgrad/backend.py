@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import warnings
 import weakref
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -31,7 +32,7 @@ import passes
 from fxgrad import _compat
 from fxgrad.base import Transform
 from fxgrad.capture import CapturedGraph, Root, capture
-from fxgrad.coverage import CoverageCheck
+from fxgrad.coverage import CoverageCheck, CoverageWarning, policy_misses
 from fxgrad.graphtext import normalize_code, render_inserted
 from fxgrad.layers import DEFAULT_SKIP, SkipEntry, validate_skip
 from fxgrad.plan import plan_graph
@@ -172,6 +173,8 @@ class Backend:
         an eager method such as ``get_text_features``). Layer names are relative
         to ``model``.
         """
+        for miss in policy_misses(self.transform, self.skip, model):
+            warnings.warn(miss, CoverageWarning, stacklevel=2)
         compiled = torch.compile(model, backend=self, **compile_kwargs)
         self._models.append(weakref.ref(model))
         self.registry.roots.setdefault(id(model), Root(weakref.ref(model), ""))

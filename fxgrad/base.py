@@ -49,6 +49,10 @@ class Transform:
         """Every leaf of the policy, in order."""
         return [route.leaf for route in self.routes(())]
 
+    def unmatched(self, layers: Sequence[Layer]) -> list[str]:
+        """Why routing keys (``by_type``, ``by_name``) that reach none of ``layers`` do not."""
+        return []
+
 
 class Leaf(Transform):
     """A transform that computes something.

@@ -20,7 +20,12 @@ from typing import Any, Mapping, Sequence
 import torch.nn as nn
 
 from fxgrad.base import Route, Transform
-from fxgrad.layers import Layer
+from fxgrad.layers import WHAT_IS_A_LAYER, Layer
+
+
+def _names(layers: Sequence[Layer], limit: int = 3) -> str:
+    shown = ", ".join(layer.name for layer in layers[:limit])
+    return shown + (f" and {len(layers) - limit} more" if len(layers) > limit else "")
 
 
 def _check_transform(argument: str, value: Any) -> Transform:
@@ -43,6 +48,9 @@ class Chain(Transform):
 
     def routes(self, layers: Sequence[Layer]) -> list[Route]:
         return [route for t in self.transforms for route in t.routes(layers)]
+
+    def unmatched(self, layers: Sequence[Layer]) -> list[str]:
+        return [why for t in self.transforms for why in t.unmatched(layers)]
 
 
 def chain(*transforms: Transform) -> Chain:
@@ -74,6 +82,14 @@ class _Router(Transform):
         return f"{self.name}({{{body}}}{default})"
 
     def routes(self, layers: Sequence[Layer]) -> list[Route]:
+        groups, rest = self._route(layers)
+        routed = [r for (_, t), group in zip(self.entries, groups) for r in t.routes(group)]
+        if self.default is not None:
+            routed += self.default.routes(rest)
+        return routed
+
+    def _route(self, layers: Sequence[Layer]) -> tuple[list[list[Layer]], list[Layer]]:
+        """The non-skipped layers of each entry (first match wins), and the rest."""
         groups: list[list[Layer]] = [[] for _ in self.entries]
         rest: list[Layer] = []
         for layer in layers:
@@ -81,10 +97,29 @@ class _Router(Transform):
                 continue
             index = next((i for i, (k, _) in enumerate(self.entries) if self._matches(k, layer)), None)
             (rest if index is None else groups[index]).append(layer)
-        routed = [r for (_, t), group in zip(self.entries, groups) for r in t.routes(group)]
-        if self.default is not None:
-            routed += self.default.routes(rest)
-        return routed
+        return groups, rest
+
+    def unmatched(self, layers: Sequence[Layer]) -> list[str]:
+        groups, rest = self._route(layers)
+        out = []
+        for (key, transform), group in zip(self.entries, groups):
+            if group:
+                out += transform.unmatched(group)
+                continue
+            matching = [layer for layer in layers if self._matches(key, layer)]
+            skipped = [layer for layer in matching if layer.skip_reason is not None]
+            entry = f"{self.name} key {self._key_repr(key)}"
+            if skipped and len(skipped) == len(matching):
+                out.append(f"{entry} reaches no layer: the skip list leaves alone all it matches "
+                           f"({_names(skipped)}: {skipped[0].skip_reason}); a skip= list without that entry "
+                           "would let it treat them")
+            elif matching:
+                out.append(f"{entry} reaches no layer: earlier keys took all it matches ({_names(matching)})")
+            else:
+                out.append(f"{entry} matches no layer ({WHAT_IS_A_LAYER})")
+        if self.default is not None and rest:
+            out += self.default.unmatched(rest)
+        return out
 
 
 class ByType(_Router):

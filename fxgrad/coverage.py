@@ -22,7 +22,7 @@ import torch.nn as nn
 from fxgrad import _compat
 from fxgrad.base import Route, Transform
 from fxgrad.capture import CapturedGraph
-from fxgrad.layers import Layer, SkipEntry, build_layers, model_rows
+from fxgrad.layers import DEFAULT_SKIP, WHAT_IS_A_LAYER, Layer, SkipEntry, build_layers, model_rows, skip_reason
 from fxgrad.plan import GraphPlan
 from fxgrad.registry import GraphRegistry
 
@@ -93,6 +93,17 @@ def find_gaps(
         if unreached:
             gaps.append(Gap(route, "is not applied to", unreached, False))
     return gaps
+
+
+def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model: nn.Module) -> list[str]:
+    """Warnings for the routing keys and added skip entries that match no layer of
+    ``model``: they do nothing (a typo, or a tied weight that belongs to another layer)."""
+    trainable, frozen = model_rows(model, "")
+    layers = build_layers(trainable + frozen, (), skip)
+    misses = transform.unmatched(layers) if transform is not None else []
+    misses += [f"skip entry {entry!r} matches no layer ({WHAT_IS_A_LAYER})" for entry in skip
+               if entry not in DEFAULT_SKIP and not any(skip_reason(l.name, l.module_type, (entry,)) for l in layers)]
+    return [f"fxgrad: in {type(model).__name__}, {miss}. It does nothing." for miss in misses]
 
 
 def _unique(rows: list[tuple[Layer, str]]) -> tuple[tuple[Layer, str], ...]:

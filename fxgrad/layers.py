@@ -49,6 +49,12 @@ Extend it with ``fxgrad.DEFAULT_SKIP + ("lm_head",)``; ``skip=()`` turns it off.
 """
 
 
+WHAT_IS_A_LAYER = (
+    "a layer is a module that owns parameters directly, named as in model.named_modules(); a tied or shared "
+    "parameter belongs to its first owner (GPT-2's lm_head weight to transformer.wte)"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layer:
     """One layer as the policy sees it.

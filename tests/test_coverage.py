@@ -360,3 +360,27 @@ def test_parameters_replaced_by_load_state_dict_assign_are_followed():
     ref.agc(expected, 0.05)
     assert_grads_close(model, expected)
     assert len(old) == len(list(model.parameters())) and len(backend.graphs) == 1
+
+
+@pytest.mark.parametrize("transform,skip,message", [
+    (fxgrad.by_name({"*nonexistent*": fxgrad.clip_by_norm(1.0)}), fxgrad.DEFAULT_SKIP,
+     r"by_name key '\*nonexistent\*' matches no layer"),
+    (fxgrad.by_name({"lm_head": fxgrad.clip_by_norm(1.0)}), fxgrad.DEFAULT_SKIP,
+     r"by_name key 'lm_head' matches no layer.*first owner"),  # tied: transformer.wte owns it
+    (fxgrad.clip_by_norm(1.0), fxgrad.DEFAULT_SKIP + ("lm_head",), r"skip entry 'lm_head' matches no layer"),
+    (fxgrad.by_type({nn.LayerNorm: fxgrad.clip_by_norm(1.0)}), fxgrad.DEFAULT_SKIP,
+     r"by_type key LayerNorm reaches no layer: the skip list leaves alone all it matches"),
+    (fxgrad.chain(fxgrad.monitor(), fxgrad.by_name({"*": fxgrad.rescale(), "*mlp*": fxgrad.clip_by_norm(1.0)})),
+     fxgrad.DEFAULT_SKIP, r"by_name key '\*mlp\*' reaches no layer: earlier keys took all it matches"),
+], ids=["typo", "tied", "skip", "skipped", "shadowed"])
+def test_routing_keys_and_skip_entries_that_reach_no_layer_are_reported(transform, skip, message):
+    model, _, _ = models.build("gpt2")
+    with pytest.warns(fxgrad.CoverageWarning, match=message):
+        fxgrad.backend(transform, compiler="aot_eager", skip=skip).compile(model)
+
+
+def test_routing_keys_that_reach_layers_are_not_reported():
+    model, _, _ = models.build("gpt2")
+    policy = fxgrad.by_name({"*attn*": fxgrad.clip_by_norm(1.0)}, default=fxgrad.by_type({nn.Embedding: fxgrad.rescale()}))
+    with coverage_silent():
+        fxgrad.backend(policy, compiler="aot_eager", skip=fxgrad.DEFAULT_SKIP + ("*ln_f*",)).compile(model)
