@@ -24,7 +24,7 @@ import torch.nn as nn
 from fxgrad import _compat, _validate, norms
 from fxgrad.base import LayerGrads, Leaf, ScaleLeaf
 from fxgrad.context import RouteContext
-from fxgrad.layers import Layer
+from fxgrad.layers import WHAT_IS_A_LAYER, Layer
 from fxgrad.norms import Factor, NormStats
 from fxgrad.state import flat
 
@@ -147,6 +147,11 @@ class Rescale(ScaleLeaf):
             if _layer_matches(key, layer):
                 return factor
         return 1.0
+
+    def unmatched(self, layers: Sequence[Layer]) -> list[str]:
+        rescaled = [layer for layer in layers if layer.skip_reason is None]
+        return [f"rescale multiplier key {_key_repr(key)} matches no layer it rescales ({WHAT_IS_A_LAYER})"
+                for key, _ in self.multipliers if not any(_layer_matches(key, layer) for layer in rescaled)]
 
     def layer_target(self, layer: Layer) -> float:
         """``T_l`` for a constant or callable target (not for ``"mean"``)."""

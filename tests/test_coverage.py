@@ -372,7 +372,9 @@ def test_parameters_replaced_by_load_state_dict_assign_are_followed():
      r"by_type key LayerNorm reaches no layer: the skip list leaves alone all it matches"),
     (fxgrad.chain(fxgrad.monitor(), fxgrad.by_name({"*": fxgrad.rescale(), "*mlp*": fxgrad.clip_by_norm(1.0)})),
      fxgrad.DEFAULT_SKIP, r"by_name key '\*mlp\*' reaches no layer: earlier keys took all it matches"),
-], ids=["typo", "tied", "skip", "skipped", "shadowed"])
+    (fxgrad.rescale(multipliers={"*.q_proj": 1.3, "*.c_attn": 1.3}), fxgrad.DEFAULT_SKIP,
+     r"rescale multiplier key '\*.q_proj' matches no layer it rescales"),  # Llama's name, in GPT-2
+], ids=["typo", "tied", "skip", "skipped", "shadowed", "multiplier"])
 def test_routing_keys_and_skip_entries_that_reach_no_layer_are_reported(transform, skip, message):
     model, _, _ = models.build("gpt2")
     with pytest.warns(fxgrad.CoverageWarning, match=message):
@@ -381,6 +383,7 @@ def test_routing_keys_and_skip_entries_that_reach_no_layer_are_reported(transfor
 
 def test_routing_keys_that_reach_layers_are_not_reported():
     model, _, _ = models.build("gpt2")
-    policy = fxgrad.by_name({"*attn*": fxgrad.clip_by_norm(1.0)}, default=fxgrad.by_type({nn.Embedding: fxgrad.rescale()}))
+    policy = fxgrad.by_name({"*attn*": fxgrad.rescale(multipliers={"*.c_attn": 1.3})},
+                            default=fxgrad.by_type({nn.Embedding: fxgrad.rescale()}))
     with coverage_silent():
         fxgrad.backend(policy, compiler="aot_eager", skip=fxgrad.DEFAULT_SKIP + ("*ln_f*",)).compile(model)
