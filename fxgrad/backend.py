@@ -173,8 +173,7 @@ class Backend:
         an eager method such as ``get_text_features``). Layer names are relative
         to ``model``.
         """
-        for miss in policy_misses(self.transform, self.skip, model):
-            warnings.warn(miss, CoverageWarning, stacklevel=2)
+        self.check_policy_reaches(model)
         compiled = torch.compile(model, backend=self, **compile_kwargs)
         self._models.append(weakref.ref(model))
         self.registry.roots.setdefault(id(model), Root(weakref.ref(model), ""))
@@ -182,6 +181,12 @@ class Backend:
             in_graph = lambda: self.current_scope() == "graph"  # noqa: E731
             ForwardWatch(model, self._coverage, lambda: self._graph_runs, in_graph).install(compiled)
         return compiled
+
+    def check_policy_reaches(self, model: nn.Module) -> None:
+        """Warn for each routing key, multiplier key or added skip entry that reaches no
+        layer of ``model`` (each does nothing); :meth:`compile` calls it."""
+        for miss in policy_misses(self.transform, self.skip, model):
+            warnings.warn(miss, CoverageWarning, stacklevel=3)
 
     def _rewrite_backward(self, graph: CapturedGraph, gm: torch.fx.GraphModule) -> None:
         with _gc_paused():

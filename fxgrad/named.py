@@ -43,6 +43,8 @@ def fxgrad_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     table = _backends.setdefault(model, {}) if model is not None else _without_model
     if key not in table:
         table[key] = from_config(spec)
+        if model is not None:
+            table[key].check_policy_reaches(model)
     _latest[key] = table[key]
     return table[key](gm, example_inputs)
 

@@ -144,3 +144,10 @@ def test_named_backend_without_policy_explains(monkeypatch):
     monkeypatch.delenv("FXGRAD_CONFIG", raising=False)
     with pytest.raises(Exception, match="needs a policy"):
         torch.compile(nn.Linear(2, 2), backend="fxgrad")(torch.randn(1, 2))
+
+
+def test_named_backend_reports_routing_keys_that_reach_no_layer():
+    options = {"transform": {"by_name": {"mapping": {"*nothing*": {"clip_by_norm": {"max_norm": 1.0}}}}},
+               "compiler": "aot_eager"}
+    with pytest.warns(fxgrad.CoverageWarning, match=r"by_name key '\*nothing\*' matches no layer"):
+        torch.compile(models.MLP(), backend="fxgrad", options=options)(torch.randn(2, 16))
