@@ -39,6 +39,10 @@ def fxgrad_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
             f"torch.compile, or set {CONFIG_ENV}=<policy.json>"
         )
     key = _key(spec)
+    if not any(isinstance(value, nn.Parameter) for value in example_inputs):
+        # A graph without parameters (the code after a graph break, say) has nothing to
+        # transform: any backend compiles it, and it must not become backend_for()'s answer.
+        return (_latest.get(key) or from_config(spec))(gm, example_inputs)
     model = graph_model(gm, example_inputs, list(_backends.keys()))
     table = _backends.setdefault(model, {}) if model is not None else _without_model
     if key not in table:

@@ -151,3 +151,13 @@ def test_named_backend_reports_routing_keys_that_reach_no_layer():
                "compiler": "aot_eager"}
     with pytest.warns(fxgrad.CoverageWarning, match=r"by_name key '\*nothing\*' matches no layer"):
         torch.compile(models.MLP(), backend="fxgrad", options=options)(torch.randn(2, 16))
+
+
+def test_backend_for_ignores_graphs_without_parameters():
+    """GPT-2's forward ends in a graph with no parameters (after a graph break): the latest
+    backend is still the one holding the model's layers."""
+    options = {"transform": {"monitor": {}}, "compiler": "aot_eager"}
+    model, args, kwargs = models.build("gpt2")
+    models.loss_of(torch.compile(model, backend="fxgrad", options=options)(*args, **kwargs)).backward()
+    assert backend_for(options) is backend_for(options, model)
+    assert "grad_norm/transformer.wte" in backend_for(options).stats()
