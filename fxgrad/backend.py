@@ -115,8 +115,6 @@ class Backend:
     # ------------------------------------------------------------ compiling
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        if self._coverage is not None and self.current_scope() == "graph":
-            self._coverage.compiled_autograd()
         graph = capture(gm, example_inputs, self.registry.roots)
         self.registry.add(graph)
         if graph.renamed_roots and self._coverage is not None:
@@ -132,6 +130,10 @@ class Backend:
 
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
+            # Checked per call, not at compile: Dynamo would wrap the error in
+            # BackendCompilerFailed, and the graph stays usable once it is off.
+            if self._coverage is not None and self.current_scope() == "graph":
+                self._coverage.compiled_autograd()
             self._graph_runs += 1  # lets compile() see forwards that ran no compiled graph
             if graph.params and args[graph.params[0].index] is not graph.params[0].tensor():
                 self._rebind(graph, args)
