@@ -60,6 +60,8 @@ def chain(*transforms: Transform) -> Chain:
         >>> fxgrad.chain(fxgrad.clip_by_value(5.0), fxgrad.clip_by_global_norm(1.0))
         chain(clip_by_value(clip_value=5.0), clip_by_global_norm(max_norm=1.0))
     """
+    if not transforms:
+        raise ValueError("chain() needs at least one transform")
     return Chain(tuple(_check_transform(f"chain() argument {i}", t) for i, t in enumerate(transforms)))
 
 
@@ -143,9 +145,11 @@ class ByName(_Router):
         return fnmatch.fnmatchcase(layer.name, key)
 
 
-def _entries(argument: str, mapping: Any, check_key) -> tuple[tuple[Any, Transform], ...]:
+def _entries(argument: str, mapping: Any, check_key, default: Any) -> tuple[tuple[Any, Transform], ...]:
     if not isinstance(mapping, Mapping):
         raise TypeError(f"{argument} must be a dict, got {type(mapping).__name__}")
+    if not mapping and default is None:
+        raise ValueError(f"{argument} is empty and there is no default: it would route no layer")
     return tuple(
         (check_key(key), _check_transform(f"{argument}[{key!r}]", value))
         for key, value in mapping.items()
@@ -175,7 +179,7 @@ def by_type(mapping: Mapping[type, Transform], default: Transform | None = None)
         >>> fxgrad.by_type({nn.Conv2d: fxgrad.rescale(alpha=0.5)})
         by_type({Conv2d: rescale(alpha=0.5, target='mean')})
     """
-    return ByType(_entries("mapping", mapping, _module_type), _default(default))
+    return ByType(_entries("mapping", mapping, _module_type, default), _default(default))
 
 
 def by_name(mapping: Mapping[str, Transform], default: Transform | None = None) -> ByName:
@@ -185,4 +189,4 @@ def by_name(mapping: Mapping[str, Transform], default: Transform | None = None) 
         >>> fxgrad.by_name({"policy.*": fxgrad.rescale(alpha=0.3), "value.*": fxgrad.rescale(alpha=0.7)})
         by_name({'policy.*': rescale(alpha=0.3, target='mean'), 'value.*': rescale(alpha=0.7, target='mean')})
     """
-    return ByName(_entries("mapping", mapping, _pattern), _default(default))
+    return ByName(_entries("mapping", mapping, _pattern, default), _default(default))

@@ -319,6 +319,8 @@ def rescale(
         if target not in ("mean", "ema"):
             raise ValueError("every re-estimates a 'mean' or 'ema' target; a fixed target has nothing to refresh")
     decay = _validate.fraction("decay", decay)
+    if decay != 0.9 and target != "ema":
+        raise ValueError(f"decay is the EMA of target='ema'; target={target!r} has none, got decay={decay!r}")
     if multipliers is None:
         multipliers = {}
     if not isinstance(multipliers, Mapping):
