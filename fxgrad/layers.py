@@ -45,7 +45,7 @@ DEFAULT_SKIP: tuple[SkipEntry, ...] = (
 Rescaling or clipping the gain and bias of a norm layer per layer destabilises
 training (see README, "Why skip norm layers"). Strings are fnmatch patterns
 matched against the class name and against the layer's qualified name.
-Extend it with ``fxgrad.DEFAULT_SKIP + ("lm_head",)``; ``skip=()`` turns it off.
+Extend it with ``fxgrad.DEFAULT_SKIP + ("*.out_proj",)``; ``skip=()`` turns it off.
 """
 
 
