@@ -126,9 +126,10 @@ class RouteContext:
              **new: torch.Tensor) -> None:
         """Write back every entry of ``state`` (new values, same shapes).
 
-        With ``finite=norm``, entries keep their old values where ``norm`` is not
-        finite: one overflow step (routine with a GradScaler) must not leave a NaN
-        EMA or target behind for good.
+        With ``finite=norms``, every entry keeps its old value unless all of
+        ``norms`` are finite: one overflow step (routine with a GradScaler, which
+        then skips the whole step) must not leave a NaN EMA or target behind for
+        good, nor advance the layers whose norms happened to stay finite.
         """
         group, order = self._groups[id(state)]
         missing = set(order) - set(new)
@@ -136,6 +137,7 @@ class RouteContext:
             raise ValueError(f"save() of {self.key} needs values for {sorted(missing)}")
         if finite is not None:
             ok = torch.isfinite(finite)
+            ok = ok.all() if ok.dim() else ok
             new = {n: torch.where(ok, value, state[n]) for n, value in new.items()}
         torch.ops.fxgrad.save_state(group.name, flat(new[n] for n in order))
 

@@ -77,9 +77,9 @@ def monitor(ema: float = 0.9, spike_z: float = 3.0, *, warmup: int = 10, weights
     * ``weight_norm/<layer>`` with ``weights=True``: the parameters' L2 norm,
       for spotting norm drift between layers (read on the device).
 
-    With a GradScaler, the norms are unscaled. A non-finite norm (an overflow
-    step) is reported but leaves the EMA statistics as they were. It changes
-    no gradient.
+    With a GradScaler, the norms are unscaled. A step with any non-finite norm
+    (an overflow step, which a GradScaler skips) is reported but leaves every
+    layer's EMA statistics as they were. It changes no gradient.
 
         >>> monitor(ema=0.99, weights=True)
         monitor(ema=0.99, spike_z=3.0, warmup=10, weights=True)

@@ -21,7 +21,7 @@ from fxgrad import _validate
 from fxgrad.base import LayerGrads, Leaf, ScaleLeaf
 from fxgrad.context import RouteContext
 from fxgrad.layers import Layer
-from fxgrad.norms import Factor, NormStats, cast, l2, widen
+from fxgrad.norms import Factor, NormStats, cast, group_norm, l2, widen
 from fxgrad.state import flat
 
 
@@ -135,8 +135,7 @@ class WeightNormDrift(ScaleLeaf):
         fresh = torch.where(initial > 0, fresh, torch.ones_like(fresh))  # ||W_0|| = 0: no reference
         factor = torch.where(torch.remainder(steps, self.every) == 0, fresh, state["factor"])
         # an overflow step (GradScaler) is skipped: it does not count towards `every`
-        finite = flat(s.sums[2.0] for s in stats)
-        ctx.save(state, finite=finite, initial=initial, factor=factor, steps=steps + 1)
+        ctx.save(state, finite=group_norm(stats, 2.0), initial=initial, factor=factor, steps=steps + 1)
         ctx.emit_per_layer("drift_factor", factor)
         return list(factor.unbind())
 

@@ -241,6 +241,36 @@ def test_checkpoint_resume_matches_an_uninterrupted_run():
             torch.testing.assert_close(x, y)
 
 
+class TwoBranches(nn.Module):
+    """``c = inf`` makes only branch ``b``'s gradient non-finite, as an fp16 overflow often does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x, c):
+        return self.head(torch.relu(self.a(x))).sum() + (self.b(x) * c).sum()
+
+
+@pytest.mark.parametrize("policy", [
+    fxgrad.monitor(), fxgrad.rescale(target="ema"), fxgrad.multi_normalize(), fxgrad.weight_norm_drift(every=2),
+], ids=repr)
+def test_an_overflow_in_some_layers_leaves_every_layers_state(policy):
+    """A GradScaler skips the whole step: the layers whose norms stayed finite must not advance."""
+    model = TwoBranches()
+    backend = fxgrad.backend(policy, compiler="aot_eager")
+    compiled = backend.compile(model)
+    for c in (0.5, 0.5, math.inf):
+        state = backend.state_dict()
+        model.zero_grad()
+        compiled(torch.randn(4, 8), torch.tensor(c)).backward()
+    assert not torch.isfinite(model.b.weight.grad).all() and torch.isfinite(model.a.weight.grad).all()
+    after = backend.state_dict()
+    assert after.keys() == state.keys()
+    for key in state:
+        torch.testing.assert_close(after[key], state[key], msg=key)
+
+
 def test_a_checkpoint_of_another_policy_is_refused():
     model = models.MLP()
     saved = fxgrad.backend(fxgrad.autoclip(history=6), compiler="aot_eager")
