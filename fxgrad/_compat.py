@@ -138,12 +138,14 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 
 
 def inductor_compile(
-    gm: torch.fx.GraphModule, example_inputs: list, rewrite_backward: BackwardRewrite
+    gm: torch.fx.GraphModule, example_inputs: list, rewrite_backward: BackwardRewrite,
+    config_patches: dict | None = None,
 ) -> Any:
     """Compile with Inductor, calling ``rewrite_backward(bw_gm)`` on the backward graph.
 
     The hook runs on the decomposed backward graph before Inductor's
     post-grad passes, scheduling and fusion, so inserted ops are fused.
+    ``config_patches`` come from :func:`inductor_config_patches`.
     """
 
     def inner_compile(graph: torch.fx.GraphModule, inputs: list, **kwargs: Any) -> Any:
@@ -151,13 +153,37 @@ def inductor_compile(
             rewrite_backward(graph)
         return _compile_fx.compile_fx_inner(graph, inputs, **kwargs)
 
-    return _compile_fx.compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    return _compile_fx.compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches)
+
+
+def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
+    """The Inductor settings ``torch.compile(mode=..., options=...)`` asks for, as its
+    own Inductor backend applies them (torch passes both to a custom backend)."""
+    import torch._inductor as inductor
+
+    try:
+        patches = dict(inductor.list_mode_options(mode)) if mode and mode != "default" else {}
+    except RuntimeError as error:  # "Unrecognized mode=..., should be one of: ..."
+        raise ValueError(f"mode: {error}") from None
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"options must be a dict of Inductor settings, got {type(options).__name__}")
+    known = inductor.config.get_config_copy()
+    for key, value in (options or {}).items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(f"options: {key!r} is not an Inductor setting (see torch._inductor.list_options())")
+        patches[name] = value
+    return patches
 
 
 def aot_eager_compile(
-    gm: torch.fx.GraphModule, example_inputs: list, rewrite_backward: BackwardRewrite
+    gm: torch.fx.GraphModule, example_inputs: list, rewrite_backward: BackwardRewrite,
+    config_patches: dict | None = None,
 ) -> Any:
-    """AOTAutograd without codegen: both graphs run as plain FX code."""
+    """AOTAutograd without codegen: both graphs run as plain FX code (no Inductor
+    settings apply: ``config_patches`` must be empty)."""
+    if config_patches:
+        raise ValueError("mode= and options= configure Inductor; this backend has compiler='aot_eager'")
     from functorch.compile import make_boxed_func
 
     def forward_compiler(graph: torch.fx.GraphModule, inputs: list) -> Any:

@@ -114,7 +114,10 @@ class Backend:
 
     # ------------------------------------------------------------ compiling
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None,
+                 options: dict | None = None) -> Any:
+        """Compile one Dynamo graph; ``mode`` and ``options`` are ``torch.compile``'s, for Inductor."""
+        patches = _compat.inductor_config_patches(mode, options)
         graph = capture(gm, example_inputs, self.registry.roots)
         self.registry.add(graph)
         if graph.renamed_roots and self._coverage is not None:
@@ -126,7 +129,7 @@ class Backend:
             )
         rewrite = functools.partial(self._rewrite_backward, graph)
         with _compat.autograd_cache_bypassed():
-            compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite)
+            compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite, patches)
 
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
@@ -175,6 +178,9 @@ class Backend:
         an eager method such as ``get_text_features``). Layer names are relative
         to ``model``.
         """
+        patches = _compat.inductor_config_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
+        if patches and self.compiler != "inductor":
+            raise ValueError(f"mode= and options= configure Inductor; this backend has compiler={self.compiler!r}")
         self.check_policy_reaches(model)
         compiled = torch.compile(model, backend=self, **compile_kwargs)
         self._models.append(weakref.ref(model))

@@ -29,9 +29,11 @@ _without_model: dict[str, Backend] = {}  # graphs whose parameters no module own
 _latest: dict[str, Backend] = {}
 
 
-def fxgrad_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None) -> Any:
+def fxgrad_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
+                   mode: str | None = None) -> Any:
     """Dynamo calls this once per graph; graphs of one model with the same options share
-    one Backend (its state and statistics), other models get their own."""
+    one Backend (its state and statistics), other models get their own. ``options`` is
+    the policy; ``mode`` is ``torch.compile``'s, for Inductor."""
     spec = _spec(options)
     if spec is None:
         raise ValueError(
@@ -42,7 +44,7 @@ def fxgrad_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     if not any(isinstance(value, nn.Parameter) for value in example_inputs):
         # A graph without parameters (the code after a graph break, say) has nothing to
         # transform: any backend compiles it, and it must not become backend_for()'s answer.
-        return (_latest.get(key) or from_config(spec))(gm, example_inputs)
+        return (_latest.get(key) or from_config(spec))(gm, example_inputs, mode=mode)
     model = graph_model(gm, example_inputs, list(_backends.keys()))
     table = _backends.setdefault(model, {}) if model is not None else _without_model
     if key not in table:
@@ -50,7 +52,7 @@ def fxgrad_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
         if model is not None:
             table[key].check_policy_reaches(model)
     _latest[key] = table[key]
-    return table[key](gm, example_inputs)
+    return table[key](gm, example_inputs, mode=mode)
 
 
 def backend_for(options: dict | None = None, model: nn.Module | None = None) -> Backend | None:

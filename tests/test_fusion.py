@@ -5,6 +5,7 @@ on CPU, not kernels, so these tests read the generated backward module and
 count the kernel launches in its ``call()`` instead.
 """
 
+import copy
 import re
 
 import pytest
@@ -44,3 +45,18 @@ def test_policy_adds_at_most_one_kernel_for_24_gradients(transform):
     assert not re.search(r"\bsqrt\(", baseline_code)
     assert re.search(r"\bsqrt\(", code)  # the inserted norms are in the generated kernels
     assert launches - baseline <= 1, (baseline, launches)
+
+
+def test_torch_compile_mode_and_options_reach_inductor():
+    """torch.compile passes mode= and options= to a custom backend; fxgrad hands them to Inductor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    expected = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3))
+    compiled = backend.compile(model, mode="max-autotune-no-cudagraphs")  # torch takes mode or options
+    compiled(x).sum().backward()
+    expected(x).sum().backward()
+    torch.nn.utils.clip_grad_norm_(expected.parameters(), 1e-3)
+    for a, b in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-7)

@@ -131,3 +131,19 @@ def test_transforms_are_immutable_and_readable():
     normalizing = fxgrad.multi_normalize(scale=0.5, eps=1e-4)
     assert repr(normalizing) == "multi_normalize(norms=('l2', 'linf'), switching_threshold=0.1, scale=0.5, eps=0.0001)"
     assert eval(repr(normalizing), vars(fxgrad)) == normalizing
+
+
+@pytest.mark.parametrize("kwargs,error,argument", [
+    ({"mode": "max-autotune"}, ValueError, "compiler='aot_eager'"),
+    ({"options": {"max_autotune": True}}, ValueError, "compiler='aot_eager'"),
+])
+def test_inductor_settings_with_aot_eager_are_refused(kwargs, error, argument):
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager")
+    with pytest.raises(error, match=argument):
+        backend.compile(nn.Linear(2, 2), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,argument", [({"mode": "fast"}, "mode"), ({"options": {"no_such_knob": 1}}, "options")])
+def test_unknown_inductor_settings_are_refused(kwargs, argument):
+    with pytest.raises(ValueError, match=argument):
+        fxgrad.backend(fxgrad.clip_by_norm(1.0)).compile(nn.Linear(2, 2), **kwargs)
