@@ -40,7 +40,7 @@ from fxgrad.registry import GraphRegistry
 from fxgrad.rewrite import rewrite_backward
 from fxgrad.state import StateStore
 from fxgrad.step import StepScope, apply_to_grads
-from fxgrad.watch import ForwardWatch
+from fxgrad.watch import ForwardWatch, track_wrapper
 
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
 SCOPES = ("auto", "graph", "step")
@@ -183,6 +183,7 @@ class Backend:
             raise ValueError(f"mode= and options= configure Inductor; this backend has compiler={self.compiler!r}")
         self.check_policy_reaches(model)
         compiled = torch.compile(model, backend=self, **compile_kwargs)
+        track_wrapper(model, compiled)
         self._models.append(weakref.ref(model))
         self.registry.roots.setdefault(id(model), Root(weakref.ref(model), ""))
         if self._coverage is not None:

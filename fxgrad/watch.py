@@ -55,6 +55,20 @@ BYPASSED = (
 
 # Per model: how many backwards reached the outputs of one of its compiled forwards.
 _PASSES: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
+# Per model: the modules backend.compile returned for it (any backend, any scope), oldest first.
+_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
+
+
+def track_wrapper(model: nn.Module, compiled: nn.Module) -> None:
+    """Record that ``compiled`` is the newest compiled module of ``model``."""
+    _WRAPPERS.setdefault(model, []).append(weakref.ref(compiled))
+
+
+def _newest_wrapper(model: nn.Module) -> nn.Module | None:
+    """The newest compiled module of ``model`` that still exists."""
+    live = [ref for ref in _WRAPPERS.get(model, []) if ref() is not None]
+    _WRAPPERS[model] = live
+    return live[-1]() if live else None
 
 
 class _Forward:
@@ -115,9 +129,10 @@ class ForwardWatch:
         if param is not self._probe:  # replaced since
             return
         self._written_version = _compat.tensor_version(param.grad)
-        # Only while the compiled model lives: compiling the model again (another
-        # backend, a notebook cell run twice) leaves this hook on the parameter.
-        if self._passes[0] == self._passes_seen and self.in_graph() and self._compiled() is not None:
+        # Only for the newest compiled module of the model: compiling it again (another
+        # backend or scope, explain(), a notebook cell run twice) leaves this hook behind.
+        if (self._passes[0] == self._passes_seen and self.in_graph()
+                and _newest_wrapper(self.model) is self._compiled()):
             self.coverage.warn(BYPASSED.format(param=self._probe_name, model=type(self.model).__name__,
                                                transform=self.coverage.transform))
         self._passes_seen = self._passes[0]

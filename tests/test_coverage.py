@@ -330,6 +330,13 @@ def test_backwards_through_the_compiled_model_are_not_reported_as_bypassing_it()
         assert not report.warnings  # explain's own compile of the same model bypasses nothing
         model.zero_grad()
         compiled(x).sum().backward()
+        # the model compiled again, in step scope, while the first compiled module lives on
+        step_scoped = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="step")
+        recompiled = step_scoped.compile(model)
+        for _ in range(2):
+            model.zero_grad()
+            recompiled(x).sum().backward()
+    assert compiled is not None
 
 
 @pytest.mark.parametrize("call", ["original model", "other method"])
