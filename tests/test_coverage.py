@@ -336,7 +336,6 @@ def test_backwards_through_the_compiled_model_are_not_reported_as_bypassing_it()
         for _ in range(2):
             model.zero_grad()
             recompiled(x).sum().backward()
-    assert compiled is not None
 
 
 @pytest.mark.parametrize("call", ["original model", "other method"])
