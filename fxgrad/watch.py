@@ -23,6 +23,7 @@ forwards whose outputs are dropped raise nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Callable
 
@@ -53,22 +54,25 @@ BYPASSED = (
     "torch.compile(model.method, backend=backend)."
 )
 
-# Per model: how many backwards reached the outputs of one of its compiled forwards.
-_PASSES: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
-# Per model: the modules backend.compile returned for it (any backend, any scope), oldest first.
-_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
+@dataclasses.dataclass
+class _Shared:
+    """What the compiled modules of one model share, whatever their backend or scope."""
+
+    passes: int = 0  # backwards that reached the outputs of one of its compiled forwards
+    wrappers: list[weakref.ref] = dataclasses.field(default_factory=list)  # from backend.compile, oldest first
+
+    def newest(self) -> nn.Module | None:
+        """The newest compiled module of the model that still exists."""
+        self.wrappers = [ref for ref in self.wrappers if ref() is not None]
+        return self.wrappers[-1]() if self.wrappers else None
+
+
+_SHARED: weakref.WeakKeyDictionary[nn.Module, _Shared] = weakref.WeakKeyDictionary()
 
 
 def track_wrapper(model: nn.Module, compiled: nn.Module) -> None:
     """Record that ``compiled`` is the newest compiled module of ``model``."""
-    _WRAPPERS.setdefault(model, []).append(weakref.ref(compiled))
-
-
-def _newest_wrapper(model: nn.Module) -> nn.Module | None:
-    """The newest compiled module of ``model`` that still exists."""
-    live = [ref for ref in _WRAPPERS.get(model, []) if ref() is not None]
-    _WRAPPERS[model] = live
-    return live[-1]() if live else None
+    _SHARED.setdefault(model, _Shared()).wrappers.append(weakref.ref(compiled))
 
 
 class _Forward:
@@ -107,8 +111,8 @@ class ForwardWatch:
         # Backwards that reached a compiled forward's outputs (of any backend: explain()
         # compiles the model with its own), then as of the probe's last gradient write.
         # No new pass in between: that gradient bypassed the policy.
-        self._passes = _PASSES.setdefault(model, [0])
-        self._passes_seen = self._passes[0]
+        self._shared = _SHARED.setdefault(model, _Shared())
+        self._passes_seen = self._shared.passes
         self._compiled: Callable[[], Any] = lambda: None
 
     def install(self, compiled: nn.Module) -> None:
@@ -131,11 +135,11 @@ class ForwardWatch:
         self._written_version = _compat.tensor_version(param.grad)
         # Only for the newest compiled module of the model: compiling it again (another
         # backend or scope, explain(), a notebook cell run twice) leaves this hook behind.
-        if (self._passes[0] == self._passes_seen and self.in_graph()
-                and _newest_wrapper(self.model) is self._compiled()):
+        if (self._shared.passes == self._passes_seen and self.in_graph()
+                and self._shared.newest() is self._compiled()):
             self.coverage.warn(BYPASSED.format(param=self._probe_name, model=type(self.model).__name__,
                                                transform=self.coverage.transform))
-        self._passes_seen = self._passes[0]
+        self._passes_seen = self._shared.passes
 
     def _before(self, module: nn.Module, args: Any) -> None:
         self._runs_before = self.graph_runs()
@@ -156,7 +160,7 @@ class ForwardWatch:
             node.register_prehook(lambda grad_outputs, forward=forward: self._backward_reached(forward))
 
     def _backward_reached(self, forward: _Forward) -> None:
-        self._passes[0] += 1
+        self._shared.passes += 1
         if forward.reached:
             return
         forward.reached = True
