@@ -165,10 +165,12 @@ def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
         patches = dict(inductor.list_mode_options(mode)) if mode and mode != "default" else {}
     except RuntimeError as error:  # "Unrecognized mode=..., should be one of: ..."
         raise ValueError(f"mode: {error}") from None
-    if options is not None and not isinstance(options, dict):
+    if options is None:
+        return patches
+    if not isinstance(options, dict):
         raise TypeError(f"options must be a dict of Inductor settings, got {type(options).__name__}")
     known = inductor.config.get_config_copy()
-    for key, value in (options or {}).items():
+    for key, value in options.items():
         name = key.replace("-", "_")
         if name not in known:
             raise ValueError(f"options: {key!r} is not an Inductor setting (see torch._inductor.list_options())")
