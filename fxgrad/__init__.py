@@ -5,21 +5,25 @@
     policy = fxgrad.chain(fxgrad.rescale(alpha=0.5), fxgrad.clip_by_global_norm(1.0))
     model = torch.compile(model, backend=fxgrad.backend(policy))
     print(fxgrad.explain(eager_model, x, backend=fxgrad.backend(policy)))
+
+Every rule (``fxgrad.clip_by_global_norm``, ``fxgrad.rescale``, ...) comes from
+the registry in :mod:`fxgrad.core.rule`; the modules under ``fxgrad/rules/``
+define them.
 """
 
-from fxgrad.adaptive import autoclip, zclip
-from fxgrad.backend import Backend, backend
-from fxgrad.base import Leaf, Route, Transform
-from fxgrad.compose import by_name, by_type, chain
-from fxgrad.config import from_config
-from fxgrad.coverage import CoverageError, CoverageWarning
-from fxgrad.explain import LayerDecision, Report, explain
-from fxgrad.layers import DEFAULT_SKIP, Layer
-from fxgrad.nonfinite import skip_nonfinite, step_if_finite, zero_nonfinite
-from fxgrad.normalize import multi_normalize, normalize, sinkhorn
-from fxgrad.telemetry import monitor
-from fxgrad.transforms import clip_by_global_norm, clip_by_norm, clip_by_value, rescale
-from fxgrad.weights import adaptive_grad_clip, balance_norms, scale_by_trust_ratio, weight_norm_drift
+from fxgrad.core.layers import DEFAULT_SKIP, Layer
+from fxgrad.core.rule import Leaf, Route, Transform
+from fxgrad.frontend.backend import Backend, backend
+from fxgrad.frontend.config import from_config
+from fxgrad.frontend.coverage import CoverageError, CoverageWarning
+from fxgrad.frontend.explain import LayerDecision, Report, explain
+from fxgrad.frontend.named import backend_for
+from fxgrad.rules import RULES
+from fxgrad.rules.composition import chain
+from fxgrad.rules.nonfinite import step_if_finite
+from fxgrad.rules.selection import by_name, by_type
+
+globals().update(RULES)
 
 __all__ = [
     "Backend",
@@ -32,27 +36,13 @@ __all__ = [
     "Report",
     "Route",
     "Transform",
-    "adaptive_grad_clip",
-    "autoclip",
     "backend",
-    "balance_norms",
+    "backend_for",
     "by_name",
     "by_type",
     "chain",
-    "clip_by_global_norm",
-    "clip_by_norm",
-    "clip_by_value",
     "explain",
     "from_config",
-    "monitor",
-    "multi_normalize",
-    "normalize",
-    "rescale",
-    "scale_by_trust_ratio",
-    "sinkhorn",
-    "skip_nonfinite",
     "step_if_finite",
-    "weight_norm_drift",
-    "zclip",
-    "zero_nonfinite",
 ]
+__all__ += sorted(RULES)

@@ -15,15 +15,17 @@ import torch
 import torch._dynamo  # noqa: F401  (registers torch._dynamo.* submodules)
 import torch._dynamo.symbolic_convert as _symbolic_convert
 import torch._functorch.config as _functorch_config
+import torch._guards
 import torch._inductor.compile_fx as _compile_fx
 from torch._dynamo.backends.common import aot_autograd as _aot_autograd
-import torch._guards
 from torch._guards import detect_fake_mode as _detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes
+from torch.utils._python_dispatch import (
+    _disable_current_modes as outside_dispatch_modes,
+)
 
 __all__ = [
     "TorchDispatchMode",

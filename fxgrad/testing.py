@@ -24,13 +24,19 @@ from typing import Any, Iterable
 
 import torch.nn as nn
 
-from fxgrad.backend import Backend
-from fxgrad.base import Transform
-from fxgrad.explain import Report, explain
-from fxgrad.graphtext import normalize_code
-from fxgrad.layers import DEFAULT_SKIP, SkipEntry
+from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry
+from fxgrad.core.rule import Transform
+from fxgrad.frontend.backend import Backend
+from fxgrad.frontend.explain import Report, explain
+from fxgrad.passes import graphtext
+from fxgrad.runtime.state import group_label
 
 __all__ = ["backward_code", "inserted_code", "normalize_code", "report_for"]
+
+
+def normalize_code(code: str) -> str:
+    """``gm.code`` as stable text: no deletions or ``torch.ops.`` prefixes, state groups by label."""
+    return graphtext.normalize_code(code, group_label)
 
 
 def report_for(

@@ -15,13 +15,13 @@ import os
 import sys
 import traceback
 
+import reference as ref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from parity import assert_grads_close
 
 import fxgrad
-import reference as ref
-from parity import assert_grads_close
 
 BATCH = 8
 STUCK_AFTER_S = 150  # a rank still running then prints every thread's stack and exits

@@ -6,10 +6,10 @@ import contextlib
 import copy
 from unittest import mock
 
+import models
 import torch
 
 import fxgrad
-import models
 from fxgrad import _compat
 
 

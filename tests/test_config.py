@@ -3,16 +3,16 @@
 import copy
 import json
 
+import models
 import pytest
+import reference as ref
 import torch
 import torch.nn as nn
+from parity import assert_grads_close
 
 import fxgrad
-import models
-import reference as ref
-from fxgrad.config import from_config
-from fxgrad.named import backend_for
-from parity import assert_grads_close
+from fxgrad.frontend.config import from_config
+from fxgrad.frontend.named import backend_for
 
 OPTIONS = {
     "transform": [

@@ -4,15 +4,15 @@ import contextlib
 import copy
 import warnings
 
+import models
 import pytest
+import reference as ref
 import torch
 import torch.nn as nn
+from parity import assert_grads_close, eager_grads
 
 import fxgrad
-import models
-import reference as ref
 from fxgrad import _compat
-from parity import assert_grads_close, eager_grads
 
 
 @torch.compiler.disable

@@ -4,10 +4,9 @@ import os
 import tempfile
 import time
 
+import distributed_checks as checks
 import pytest
 import torch.multiprocessing as mp
-
-import distributed_checks as checks
 
 pytestmark = pytest.mark.slow
 

@@ -2,14 +2,14 @@
 
 import copy
 
+import models
 import pytest
+import reference as ref
 import torch
 import torch.nn as nn
+from parity import assert_grads_close
 
 import fxgrad
-import models
-import reference as ref
-from parity import assert_grads_close
 
 
 def compile_and_step(model, transform, *args, compiler="aot_eager", **compile_kwargs):

@@ -1,10 +1,10 @@
 """``fxgrad.explain`` reports per-layer decisions and leaves the model as it was."""
 
+import models
 import torch
 import torch.nn as nn
 
 import fxgrad
-import models
 
 
 def aot(transform, **kwargs):
@@ -94,3 +94,25 @@ def test_a_backend_with_a_grad_scaler_is_explained_before_its_first_scaled_backw
     backend = aot(fxgrad.clip_by_global_norm(1.0), scaler=torch.amp.GradScaler("cpu"))
     report = fxgrad.explain(model, torch.randn(2, 4), backend=backend)
     assert report.layers[0].action == "clip_by_global_norm(max_norm=1.0)"
+
+
+def test_each_row_shows_the_values_that_apply_to_its_layer():
+    model, args, kwargs = models.build("gpt2")
+    policy = fxgrad.chain(fxgrad.rescale(multipliers={"*.c_attn": 1.3}), fxgrad.clip_by_global_norm(1.0))
+    report = fxgrad.explain(model, *args, backend=aot(policy), **kwargs)
+    table = report.table()
+    assert table.splitlines()[0] == f"policy: {policy!r}"
+    assert table.count("multipliers=") == 1  # the policy, once
+    actions = {row.name: row.action for row in report.layers}
+    assert actions["transformer.h.0.attn.c_attn"] == (
+        "rescale(alpha=0.5, target='mean', multiplier=1.3) -> clip_by_global_norm(max_norm=1.0)")
+    assert actions["transformer.h.0.attn.c_proj"] == (
+        "rescale(alpha=0.5, target='mean') -> clip_by_global_norm(max_norm=1.0)")
+
+
+def test_a_callable_target_shows_each_layers_value():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    policy = fxgrad.rescale(target=lambda depth, layer: 0.01 * (1 + 2 * (1 - depth)))
+    report = fxgrad.explain(model, torch.randn(2, 4), backend=aot(policy))
+    assert [row.action for row in report.layers] == [
+        "rescale(alpha=0.5, target=0.03)", "rescale(alpha=0.5, target=0.02)", "rescale(alpha=0.5, target=0.01)"]

@@ -3,11 +3,11 @@
 import math
 
 import pytest
+import reference as ref
 import torch
+from parity import check_parity, run_both
 
 import fxgrad
-import reference as ref
-from parity import check_parity, run_both
 
 STATELESS = {
     "normalize_l2": (fxgrad.normalize("l2", scale=0.5), lambda m: ref.normalize(m, "l2", 0.5)),

@@ -7,11 +7,11 @@ under Inductor (CPU). Thresholds are small so that clipping is active.
 import math
 
 import pytest
+import reference as ref
 import torch.nn as nn
+from parity import check_parity
 
 import fxgrad
-import reference as ref
-from parity import check_parity
 
 MODELS = ["mlp", "cnn", "transformer", "lstm", "gpt2", "bert", "llama"]
 

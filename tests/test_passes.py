@@ -5,9 +5,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import passes
-from fxgrad import _compat
-from fxgrad.record import GraphRecorder
+from fxgrad import _compat, passes
+from fxgrad.passes.record import GraphRecorder
 
 
 def traced_backward():

@@ -8,14 +8,14 @@ import copy
 import math
 import warnings
 
+import models
 import pytest
+import reference as ref
 import torch
 import torch.nn as nn
+from parity import assert_grads_close, batches, run_both
 
 import fxgrad
-import models
-import reference as ref
-from parity import assert_grads_close, batches, run_both
 
 
 def test_autoclip_matches_numpy_percentile_reference():

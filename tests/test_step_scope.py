@@ -2,14 +2,14 @@
 
 import copy
 
-import pytest
-import torch
-
-import fxgrad
 import models
+import pytest
 import reference as ref
+import torch
 from parity import assert_grads_close
 from test_coverage import BrokenMLP
+
+import fxgrad
 
 POLICIES = {
     "global_clip": (fxgrad.clip_by_global_norm(1e-3), lambda m: ref.clip_global(m, 1e-3)),

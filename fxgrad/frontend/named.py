@@ -19,9 +19,9 @@ from typing import Any
 import torch.fx
 import torch.nn as nn
 
-from fxgrad.backend import Backend
-from fxgrad.capture import graph_model
-from fxgrad.config import CONFIG_ENV, from_config, load
+from fxgrad.frontend.backend import Backend
+from fxgrad.frontend.config import CONFIG_ENV, from_config, load
+from fxgrad.passes.capture import graph_model
 
 # One Backend per model and options, so two models never share state or layer names.
 _backends: weakref.WeakKeyDictionary[nn.Module, dict[str, Backend]] = weakref.WeakKeyDictionary()

@@ -15,13 +15,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-import passes
-from fxgrad import _compat
-from fxgrad.context import GraphContext
-from fxgrad.execute import Executor
-from fxgrad.plan import GraphPlan
-from fxgrad.record import GraphRecorder
-from fxgrad.state import StateStore
+from fxgrad import _compat, passes
+from fxgrad.frontend.plan import GraphPlan
+from fxgrad.passes.record import GraphRecorder
+from fxgrad.runtime.executor import run_policy
+from fxgrad.runtime.state import StateStore
 
 
 def rewrite_backward(
@@ -47,13 +45,9 @@ def rewrite_backward(
     values = [node.meta["val"] for node in outputs if node is not None]
     recorder = GraphRecorder(gm, _compat.detect_fake_mode(values), _compat.inductor_decompositions())
     grads = {name: [recorder.bind(outputs[slot]) for slot in slots] for name, slots in plan.slots.items()}
-    set_label = lambda label: setattr(recorder, "label", label)  # noqa: E731
     with recorder.recording():
-        set_label("loss scale")
-        graph = GraphContext(store, values[0].device, scaler, params, frame)
-        Executor(grads, graph, set_label).run(routes)
-        set_label("statistics")
-        graph.finish()
+        run_policy(routes, grads, store, values[0].device, scaler, params, frame,
+                   set_label=lambda label: setattr(recorder, "label", label))
     passes.replace_gradient_outputs(
         gm,
         {slot: recorder.node(grad) for name, slots in plan.slots.items() for slot, grad in zip(slots, grads[name])},

@@ -18,13 +18,20 @@ from typing import Callable, Sequence
 
 import torch.nn as nn
 
-
 from fxgrad import _compat
-from fxgrad.base import Route, Transform
-from fxgrad.capture import CapturedGraph
-from fxgrad.layers import DEFAULT_SKIP, WHAT_IS_A_LAYER, Layer, SkipEntry, build_layers, model_rows, skip_reason
-from fxgrad.plan import GraphPlan
-from fxgrad.registry import GraphRegistry
+from fxgrad.core.layers import (
+    DEFAULT_SKIP,
+    WHAT_IS_A_LAYER,
+    Layer,
+    SkipEntry,
+    build_layers,
+    model_rows,
+    skip_reason,
+)
+from fxgrad.core.rule import Route, Transform
+from fxgrad.frontend.graphs import GraphRegistry
+from fxgrad.frontend.plan import GraphPlan
+from fxgrad.passes.capture import CapturedGraph
 
 
 class CoverageError(RuntimeError):
@@ -82,11 +89,11 @@ def find_gaps(
             for layer in present
             if layer.name in shared_layers
         ]
-        route, scope = repr(want.leaf), want.leaf.scope
-        if scope == "group" and (missing or split or shared):
+        route, reach = repr(want.leaf), want.leaf.reach
+        if reach == "group" and (missing or split or shared):
             gaps.append(Gap(route, "would see only part of its layers", _unique(missing + split + shared), True))
             continue
-        broken = (split if scope == "layer" else []) + shared
+        broken = (split if reach == "layer" else []) + shared
         if broken:
             gaps.append(Gap(route, "would see only part of a layer's gradient", _unique(broken), True))
         unreached = tuple((layer, why) for layer, why in missing if layer.name not in elsewhere)
@@ -191,7 +198,7 @@ class CoverageCheck:
                    "does once a frame was recompiled torch._dynamo.config.recompile_limit times (e.g. once "
                    "per new input shape; mark the dimension dynamic or raise the limit)")
         message = f"fxgrad: {why}, and the policy {self.transform!r} does nothing.{rnn_hint(layers)}"
-        if self.strict and any(route.leaf.scope == "group" for route in self.transform.routes(layers)):
+        if self.strict and any(route.leaf.reach == "group" for route in self.transform.routes(layers)):
             raise CoverageError(message)
         self.warn(message)
 

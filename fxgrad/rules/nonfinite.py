@@ -11,28 +11,33 @@ PyTorch. These transforms handle them explicitly, inside the backward::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Sequence
 
 import torch
 
-from fxgrad.base import LayerGrads, Leaf
-from fxgrad.context import RouteContext
-from fxgrad.layers import Layer
-from fxgrad.state import flat
+from fxgrad.core.layers import Layer
+from fxgrad.core.rule import LayerGrads, Leaf, rule
+from fxgrad.runtime.context import RouteContext
+from fxgrad.runtime.state import flat
 
 
-@dataclasses.dataclass(frozen=True)
+@rule
 class ZeroNonfinite(Leaf):
-    """See :func:`zero_nonfinite`."""
+    """Replace NaN and Inf gradient elements with 0, in every layer.
 
-    scope = "element"
-    per_layer = False
+    Statistics: ``nonfinite_elements`` (this step) and ``nonfinite/<layer>``.
+    Place it first in a chain so later transforms see finite values.
+
+        >>> import fxgrad
+        >>> fxgrad.zero_nonfinite()
+        zero_nonfinite()
+    """
+
     name = "zero_nonfinite"
-
-    def __repr__(self) -> str:
-        return "zero_nonfinite()"
+    reach = "element"
+    per_layer = False
+    hides_nonfinite = True
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
         counts, out = [], []
@@ -46,41 +51,8 @@ class ZeroNonfinite(Leaf):
         return out
 
 
-@dataclasses.dataclass(frozen=True)
+@rule
 class SkipNonfinite(Leaf):
-    """See :func:`skip_nonfinite`."""
-
-    scope = "group"
-    per_layer = False
-    name = "skip_nonfinite"
-
-    def __repr__(self) -> str:
-        return "skip_nonfinite()"
-
-    def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
-        finite = [torch.isfinite(g.abs().amax()) for group in grads for g in group]
-        bad = ~functools.reduce(torch.logical_and, finite)
-        state = ctx.state(shared={"steps": ((), 0.0)})
-        steps = state["steps"] + bad.to(torch.float64)
-        ctx.save(state, steps=steps)
-        ctx.emit("nonfinite_step", bad.to(torch.float64))
-        ctx.emit("nonfinite_steps", steps)
-        return [[g.masked_fill(bad, 0) for g in group] for group in grads]
-
-
-def zero_nonfinite() -> ZeroNonfinite:
-    """Replace NaN and Inf gradient elements with 0, in every layer.
-
-    Statistics: ``nonfinite_elements`` (this step) and ``nonfinite/<layer>``.
-    Place it first in a chain so later transforms see finite values.
-
-        >>> zero_nonfinite()
-        zero_nonfinite()
-    """
-    return ZeroNonfinite()
-
-
-def skip_nonfinite() -> SkipNonfinite:
     """If any gradient of the step has a NaN or Inf, make every gradient zero.
 
     Statistics: ``nonfinite_step`` (1.0 when this step was zeroed) and
@@ -91,10 +63,25 @@ def skip_nonfinite() -> SkipNonfinite:
     weights by ``lr * m / (sqrt(v) + eps)``, and weight decay still applies.
     To really skip, use :func:`step_if_finite`.
 
-        >>> skip_nonfinite()
+        >>> import fxgrad
+        >>> fxgrad.skip_nonfinite()
         skip_nonfinite()
     """
-    return SkipNonfinite()
+
+    name = "skip_nonfinite"
+    reach = "group"
+    per_layer = False
+    hides_nonfinite = True
+
+    def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
+        finite = [torch.isfinite(g.abs().amax()) for group in grads for g in group]
+        bad = ~functools.reduce(torch.logical_and, finite)
+        state = ctx.state(shared={"steps": ((), 0.0)})
+        steps = state["steps"] + bad.to(torch.float64)
+        ctx.save(state, steps=steps)
+        ctx.emit("nonfinite_step", bad.to(torch.float64))
+        ctx.emit("nonfinite_steps", steps)
+        return [[g.masked_fill(bad, 0) for g in group] for group in grads]
 
 
 def step_if_finite(optimizer: Any, backend: Any) -> bool:

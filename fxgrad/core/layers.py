@@ -14,12 +14,13 @@ module that owns it in ``model.named_modules()`` order, so tied weights (GPT-2's
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from typing import Iterable, NamedTuple, Sequence
 
 import torch.nn as nn
 
-SkipEntry = type | str
+from fxgrad.core import match
+
+SkipEntry = match.Key
 
 DEFAULT_SKIP: tuple[SkipEntry, ...] = (
     nn.LayerNorm,
@@ -43,8 +44,9 @@ DEFAULT_SKIP: tuple[SkipEntry, ...] = (
 """Layers that per-layer transforms leave alone: normalization layers.
 
 Rescaling or clipping the gain and bias of a norm layer per layer destabilises
-training (see README, "Why skip norm layers"). Strings are fnmatch patterns
-matched against the class name and against the layer's qualified name.
+training (see docs/transforms.md, "Why skip norm layers"). Entries match as
+:mod:`fxgrad.core.match` says: types by ``issubclass``, strings by fnmatch on
+the class name and on the layer's qualified name.
 Extend it with ``fxgrad.DEFAULT_SKIP + ("*.out_proj",)``; ``skip=()`` turns it off.
 """
 
@@ -108,38 +110,18 @@ def _join(prefix: str, name: str) -> str:
 
 
 def validate_skip(skip: Iterable[SkipEntry]) -> tuple[SkipEntry, ...]:
-    """Check a ``skip=`` argument: module types and fnmatch pattern strings."""
+    """Check a ``skip=`` argument: module types and pattern strings (see :mod:`fxgrad.core.match`)."""
     if isinstance(skip, (str, type)) or not isinstance(skip, Iterable):
         raise TypeError(
             f"skip must be a tuple or list of nn.Module types and name patterns, "
             f"got {skip!r}; write skip=({skip!r},) for a single entry"
         )
-    entries = tuple(skip)
-    for entry in entries:
-        if isinstance(entry, str):
-            if not entry:
-                raise ValueError("skip entries must be non-empty patterns, got ''")
-        elif not (isinstance(entry, type) and issubclass(entry, nn.Module)):
-            raise TypeError(
-                f"skip entries must be nn.Module subclasses or fnmatch pattern strings, "
-                f"got {entry!r} ({type(entry).__name__})"
-            )
-    return entries
+    return tuple(match.check_key("skip entries", entry) for entry in skip)
 
 
-def skip_reason(
-    name: str, module_type: type | None, skip: Sequence[SkipEntry]
-) -> str | None:
+def skip_reason(name: str, module_type: type | None, skip: Sequence[SkipEntry]) -> str | None:
     """Why a layer is skipped, or ``None``. The first matching entry is named."""
-    for entry in skip:
-        if isinstance(entry, str):
-            if module_type is not None and fnmatch.fnmatchcase(module_type.__name__, entry):
-                return f"class {module_type.__name__} matches {entry!r}"
-            if fnmatch.fnmatchcase(name, entry):
-                return f"name matches {entry!r}"
-        elif module_type is not None and issubclass(module_type, entry):
-            return f"is a {entry.__name__}"
-    return None
+    return next(filter(None, (match.reason(entry, name, module_type) for entry in skip)), None)
 
 
 class ParamRow(NamedTuple):

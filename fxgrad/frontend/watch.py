@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from fxgrad import _compat
-from fxgrad.coverage import CoverageCheck
+from fxgrad.frontend.coverage import CoverageCheck
 
 ACCUMULATING = (
     "fxgrad: a backward started while .grad still held the previous backward's gradient. If you "

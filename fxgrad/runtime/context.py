@@ -20,9 +20,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fxgrad import _compat
-from fxgrad.layers import Layer
-from fxgrad.norms import replicated
-from fxgrad.state import StateStore, flat
+from fxgrad.core.layers import Layer
+from fxgrad.runtime.norm_math import replicated
+from fxgrad.runtime.state import StateStore, flat
 
 Shape = tuple[int, ...]
 

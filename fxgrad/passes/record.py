@@ -38,7 +38,7 @@ import torch.fx
 
 from fxgrad import _compat
 from fxgrad._compat import TorchDispatchMode
-from passes import PREFIX, TAG
+from fxgrad.passes import PREFIX, TAG
 
 aten = torch.ops.aten
 

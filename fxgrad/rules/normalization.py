@@ -13,18 +13,17 @@ documented result.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
-from fxgrad import _validate
-from fxgrad.base import LayerGrads, Leaf, ScaleLeaf
-from fxgrad.context import RouteContext
-from fxgrad.layers import Layer
-from fxgrad.norms import Factor, NormStats, cast, l2, widen
-from fxgrad.state import flat
+from fxgrad.core import validate
+from fxgrad.core.layers import Layer
+from fxgrad.core.rule import LayerGrads, Leaf, ScaleLeaf, field, rule
+from fxgrad.runtime.context import RouteContext
+from fxgrad.runtime.norm_math import Factor, NormStats, cast, l2, widen
+from fxgrad.runtime.state import flat
 
 NORMS = ("l2", "linf", "rms")
 
@@ -41,18 +40,29 @@ def _orders(norms: Sequence[str]) -> tuple[float, ...]:
     return tuple(sorted({math.inf if n == "linf" else 2.0 for n in norms}))
 
 
-@dataclasses.dataclass(frozen=True)
+@rule
 class Normalize(ScaleLeaf):
-    """See :func:`normalize`."""
+    """Per layer: ``g <- scale * g / (||g|| + eps)``.
+
+    ``norm`` is ``"l2"``, ``"linf"`` (max-abs) or ``"rms"`` (``||g||_2 / sqrt(numel)``),
+    over all the layer's gradients together.
+
+        >>> import fxgrad
+        >>> fxgrad.normalize("linf", scale=0.1)
+        normalize(norm='linf', scale=0.1, eps=1e-08)
+    """
+
+    name = "normalize"
 
     norm: str = "l2"
     scale: float = 1.0
     eps: float = 1e-8
 
-    name = "normalize"
-
-    def __repr__(self) -> str:
-        return f"normalize(norm={self.norm!r}, scale={self.scale!r}, eps={self.eps!r})"
+    def __post_init__(self) -> None:
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        self.set(scale=validate.positive("scale", self.scale, allow_inf=False),
+                 eps=validate.positive("eps", self.eps, allow_inf=False))
 
     @property
     def norm_orders(self) -> tuple[float, ...]:
@@ -62,47 +72,78 @@ class Normalize(ScaleLeaf):
         return [self.scale / (layer_norm_of(s, layer, self.norm) + self.eps) for s, layer in zip(stats, layers)]
 
 
-def normalize(norm: str = "l2", scale: float = 1.0, eps: float = 1e-8) -> Normalize:
-    """Per layer: ``g <- scale * g / (||g|| + eps)``.
-
-    ``norm`` is ``"l2"``, ``"linf"`` (max-abs) or ``"rms"`` (``||g||_2 / sqrt(numel)``),
-    over all the layer's gradients together.
-
-        >>> normalize("linf", scale=0.1)
-        normalize(norm='linf', scale=0.1, eps=1e-08)
-    """
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    return Normalize(norm, _validate.positive("scale", scale, allow_inf=False),
-                     _validate.positive("eps", eps, allow_inf=False))
-
-
 # ---------------------------------------------------------------- multi_normalize
 
 RANK = {"l2": 0, "rms": 0, "mix": 1, "linf": 2}
 """Strategies from dense to peaked gradients."""
 
 
-@dataclasses.dataclass(frozen=True)
+Pieces = tuple[tuple[int, Any], ...]  # ((start_step, value), ...) from step 0, sorted
+
+
+@rule
 class MultiNormalize(ScaleLeaf):
-    """See :func:`multi_normalize`."""
+    """Per layer, normalize by a norm chosen from the layer's own gradient shape.
 
-    schedule: tuple[tuple[int, tuple[str, ...]], ...]
-    thresholds: tuple[tuple[int, float], ...]
-    scale: float = 1.0
-    eps: float = 1e-8
+    Selection rule, per layer and step:
 
-    norm_orders = (1.0, 2.0, math.inf)
+    1. The *peakedness* ``rho = 1 - (pi/2) ||g||_1^2 / (numel ||g||_2^2)``, clamped
+       to [0, 1]. ``||g||_1^2 / (numel ||g||_2^2)`` is the fraction of entries
+       that carry the gradient (``2/pi`` for Gaussian entries of any size,
+       ``k/numel`` for ``k`` equal spikes), so ``rho`` is 0 for dense,
+       Gaussian-like gradients and near 1 when a few entries hold the mass.
+    2. The candidates are ``norms`` plus ``"mix"`` (the geometric mean of those
+       norms) when there are several, sorted from dense to peaked:
+       ``l2``/``rms``, ``mix``, ``linf``. With K candidates, ``rho`` in
+       ``[j/K, (j+1)/K)`` picks candidate j.
+    3. Hysteresis: the layer keeps its current choice until ``rho`` moves by more
+       than ``switching_threshold`` relative to its value at the last switch
+       (``|rho - rho_ref| > threshold * max(rho_ref, 1e-3)``), or the choice
+       leaves the allowed set. The first step always chooses.
+    4. ``g <- scale * g / (||g||_choice + eps)``.
+
+    ``schedule={0: ("l2",), 1000: ("l2", "linf")}`` changes the allowed norms at
+    those steps, and ``threshold_schedule={0: 0.2, 500: 0.1, 2000: 0.05}`` the
+    threshold (a curriculum); both are evaluated on the device, so they never
+    recompile. ``norm_choice/<layer>`` in ``backend.stats()`` is an index into
+    ``multi_normalize(...).candidates``; ``peakedness/<layer>`` is ``rho``.
+
+        >>> import fxgrad
+        >>> t = fxgrad.multi_normalize(("l2", "linf"), 0.1)
+        >>> t, t.candidates
+        (multi_normalize(norms=('l2', 'linf'), switching_threshold=0.1), ('l2', 'linf', 'mix'))
+    """
+
     name = "multi_normalize"
+    norm_orders = (1.0, 2.0, math.inf)
 
-    def __repr__(self) -> str:
-        norms = (f"norms={self.schedule[0][1]!r}" if len(self.schedule) == 1
-                 else f"schedule={dict(self.schedule)!r}")
-        threshold = (f"switching_threshold={self.thresholds[0][1]!r}" if len(self.thresholds) == 1
-                     else f"threshold_schedule={dict(self.thresholds)!r}")
-        extra = "".join(f", {name}={value!r}" for name, value, default in
-                        (("scale", self.scale, 1.0), ("eps", self.eps, 1e-8)) if value != default)
-        return f"multi_normalize({norms}, {threshold}{extra})"
+    # `norms` is short for schedule={0: norms}, `switching_threshold` for threshold_schedule={0: ...}.
+    # After construction both schedules hold ((start_step, value), ...) pieces from step 0, and repr
+    # writes a one-piece schedule as the short argument.
+    norms: tuple[str, ...] = field(("l2", "linf"), shown=lambda rule: len(rule.schedule) == 1)
+    switching_threshold: float = field(0.1, shown=lambda rule: len(rule.thresholds) == 1)
+    schedule: Pieces | None = field(None, shown=lambda rule: len(rule.schedule) > 1, text=lambda v: repr(dict(v)),
+                                    config="step_keys")
+    threshold_schedule: Pieces | None = field(None, kw_only=True, shown=lambda rule: len(rule.thresholds) > 1,
+                                              text=lambda v: repr(dict(v)), config="step_keys")
+    scale: float = field(1.0, kw_only=True, shown=lambda rule: rule.scale != 1.0)
+    eps: float = field(1e-8, kw_only=True, shown=lambda rule: rule.eps != 1e-8)
+
+    def __post_init__(self) -> None:
+        schedule = _piecewise("schedule", {0: self.norms} if self.schedule is None else self.schedule, _norm_list,
+                              "norms" if self.schedule is None else None)
+        threshold = validate.non_negative("switching_threshold", self.switching_threshold)
+        thresholds = _piecewise("threshold_schedule",
+                                {0: threshold} if self.threshold_schedule is None else self.threshold_schedule,
+                                lambda name, v: validate.non_negative(name, v))
+        self.set(norms=schedule[0][1], switching_threshold=thresholds[0][1], schedule=schedule,
+                 threshold_schedule=thresholds, scale=validate.positive("scale", self.scale, allow_inf=False),
+                 eps=validate.positive("eps", self.eps, allow_inf=False))
+
+    @property
+    def thresholds(self) -> Pieces:
+        """The switching threshold by start step: ``((0, 0.2), (500, 0.1), ...)``."""
+        return self.threshold_schedule
 
     @property
     def candidates(self) -> tuple[str, ...]:
@@ -171,55 +212,6 @@ def _peakedness(stats: NormStats, layer: Layer) -> torch.Tensor:
     return (1.0 - (math.pi / 2) * (l1 * l1) / (layer.numel * l2 * l2)).clamp(0.0, 1.0)
 
 
-def multi_normalize(
-    norms: Sequence[str] = ("l2", "linf"),
-    switching_threshold: float = 0.1,
-    schedule: Mapping[int, Sequence[str]] | None = None,
-    *,
-    threshold_schedule: Mapping[int, float] | None = None,
-    scale: float = 1.0,
-    eps: float = 1e-8,
-) -> MultiNormalize:
-    """Per layer, normalize by a norm chosen from the layer's own gradient shape.
-
-    Selection rule, per layer and step:
-
-    1. The *peakedness* ``rho = 1 - (pi/2) ||g||_1^2 / (numel ||g||_2^2)``, clamped
-       to [0, 1]. ``||g||_1^2 / (numel ||g||_2^2)`` is the fraction of entries
-       that carry the gradient (``2/pi`` for Gaussian entries of any size,
-       ``k/numel`` for ``k`` equal spikes), so ``rho`` is 0 for dense,
-       Gaussian-like gradients and near 1 when a few entries hold the mass.
-    2. The candidates are ``norms`` plus ``"mix"`` (the geometric mean of those
-       norms) when there are several, sorted from dense to peaked:
-       ``l2``/``rms``, ``mix``, ``linf``. With K candidates, ``rho`` in
-       ``[j/K, (j+1)/K)`` picks candidate j.
-    3. Hysteresis: the layer keeps its current choice until ``rho`` moves by more
-       than ``switching_threshold`` relative to its value at the last switch
-       (``|rho - rho_ref| > threshold * max(rho_ref, 1e-3)``), or the choice
-       leaves the allowed set. The first step always chooses.
-    4. ``g <- scale * g / (||g||_choice + eps)``.
-
-    ``schedule={0: ("l2",), 1000: ("l2", "linf")}`` changes the allowed norms at
-    those steps, and ``threshold_schedule={0: 0.2, 500: 0.1, 2000: 0.05}`` the
-    threshold (a curriculum); both are evaluated on the device, so they never
-    recompile. ``norm_choice/<layer>`` in ``backend.stats()`` is an index into
-    ``multi_normalize(...).candidates``; ``peakedness/<layer>`` is ``rho``.
-
-        >>> t = multi_normalize(("l2", "linf"), 0.1)
-        >>> t, t.candidates
-        (multi_normalize(norms=('l2', 'linf'), switching_threshold=0.1), ('l2', 'linf', 'mix'))
-    """
-    if schedule is None:
-        pieces = ((0, _norm_list("norms", norms)),)
-    else:  # the schedule replaces `norms`
-        pieces = _piecewise("schedule", schedule, _norm_list)
-    threshold = _validate.non_negative("switching_threshold", switching_threshold)
-    thresholds = _piecewise("threshold_schedule", {0: threshold} if threshold_schedule is None else threshold_schedule,
-                            lambda name, v: _validate.non_negative(name, v))
-    return MultiNormalize(pieces, thresholds, _validate.positive("scale", scale, allow_inf=False),
-                          _validate.positive("eps", eps, allow_inf=False))
-
-
 def _norm_list(name: str, norms) -> tuple[str, ...]:
     if isinstance(norms, str) or not isinstance(norms, Sequence) or not norms:
         raise TypeError(f"{name} must be a non-empty tuple of norm names, got {norms!r}")
@@ -229,11 +221,15 @@ def _norm_list(name: str, norms) -> tuple[str, ...]:
     return tuple(dict.fromkeys(norms))
 
 
-def _piecewise(name: str, mapping, check) -> tuple:
+def _piecewise(name: str, mapping, check, argument: str | None = None) -> Pieces:
+    """``{start_step: value}`` as sorted pieces from step 0, each value checked; ``argument`` names
+    the value in messages when the mapping stands for a plain argument (``norms``)."""
+    if isinstance(mapping, tuple) and all(isinstance(piece, tuple) and len(piece) == 2 for piece in mapping):
+        mapping = dict(mapping)  # already pieces: dataclasses.replace() builds the rule again
     if not isinstance(mapping, Mapping) or not mapping:
         raise TypeError(f"{name} must be a non-empty dict {{start_step: value}}, got {mapping!r}")
-    steps = sorted((_validate.step(name, start), value) for start, value in mapping.items())
-    items = [(start, check(f"{name}[{start}]", value)) for start, value in steps]
+    steps = sorted((validate.step(name, start), value) for start, value in mapping.items())
+    items = [(start, check(argument or f"{name}[{start}]", value)) for start, value in steps]
     if items[0][0] != 0:
         raise ValueError(f"{name} must start at step 0, got {items[0][0]}")
     return tuple(items)
@@ -242,18 +238,30 @@ def _piecewise(name: str, mapping, check) -> tuple:
 # ---------------------------------------------------------------- sinkhorn
 
 
-@dataclasses.dataclass(frozen=True)
+@rule
 class Sinkhorn(Leaf):
-    """See :func:`sinkhorn`."""
+    """SinkGD's SR-Sinkhorn normalization (Scetbon et al. 2025), per parameter.
+
+    For a 2-D gradient ``X`` (m x n), ``iters`` times: scale each row to L2
+    norm ``sqrt(n)``, then each column to ``sqrt(m)``. A parameter with more
+    dimensions is folded to ``(shape[0], prod(shape[1:]))`` (output channels x
+    the rest) and unfolded after. A 1-D or 0-D gradient is scaled to RMS 1
+    (norm ``sqrt(numel)``). A tiny ``1e-8`` keeps zero rows finite. With plain
+    SGD this is SinkGD: a stateless optimizer.
+
+        >>> import fxgrad
+        >>> fxgrad.sinkhorn(iters=3)
+        sinkhorn(iters=3)
+    """
+
+    name = "sinkhorn"
+    reach = "element"  # each parameter on its own
+    EPS: ClassVar[float] = 1e-8
 
     iters: int = 5
-    eps: float = 1e-8
 
-    scope = "element"  # each parameter on its own
-    name = "sinkhorn"
-
-    def __repr__(self) -> str:
-        return f"sinkhorn(iters={self.iters!r})"
+    def __post_init__(self) -> None:
+        self.set(iters=validate.positive_int("iters", self.iters, 100, "each iteration is unrolled into the backward graph"))
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
         return [[self._one(g, ctx.scale) for g in group] for group in grads]
@@ -264,27 +272,11 @@ class Sinkhorn(Leaf):
             rows, cols = x.shape[0], x.numel() // x.shape[0]
             y = x.reshape(rows, cols)
             for _ in range(self.iters):
-                y = y * (math.sqrt(cols) / (l2(y, dim=1, keepdim=True) + self.eps))
-                y = y * (math.sqrt(rows) / (l2(y, dim=0, keepdim=True) + self.eps))
+                y = y * (math.sqrt(cols) / (l2(y, dim=1, keepdim=True) + self.EPS))
+                y = y * (math.sqrt(rows) / (l2(y, dim=0, keepdim=True) + self.EPS))
             out = y.reshape(x.shape)
         else:
-            out = x * (math.sqrt(x.numel()) / (l2(x) + self.eps))
+            out = x * (math.sqrt(x.numel()) / (l2(x) + self.EPS))
         if scale is not None:  # the result is scale-free; unscale_ will divide by the scale
             out = out * scale.to(out.dtype)
         return cast(out, grad.dtype)
-
-
-def sinkhorn(iters: int = 5) -> Sinkhorn:
-    """SinkGD's SR-Sinkhorn normalization (Scetbon et al. 2025), per parameter.
-
-    For a 2-D gradient ``X`` (m x n), ``iters`` times: scale each row to L2
-    norm ``sqrt(n)``, then each column to ``sqrt(m)``. A parameter with more
-    dimensions is folded to ``(shape[0], prod(shape[1:]))`` (output channels x
-    the rest) and unfolded after. A 1-D or 0-D gradient is scaled to RMS 1
-    (norm ``sqrt(numel)``). A tiny ``1e-8`` keeps zero rows finite. With plain
-    SGD this is SinkGD: a stateless optimizer.
-
-        >>> sinkhorn(iters=3)
-        sinkhorn(iters=3)
-    """
-    return Sinkhorn(_validate.positive_int("iters", iters, 100, "each iteration is unrolled into the backward graph"))

@@ -23,7 +23,7 @@ import torch.fx
 import torch.nn as nn
 
 from fxgrad import _compat
-from fxgrad.layers import Owner, parameter_owners
+from fxgrad.core.layers import Owner, parameter_owners
 
 
 @dataclasses.dataclass(frozen=True)

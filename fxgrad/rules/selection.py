@@ -1,4 +1,4 @@
-"""Composing transforms: ``chain``, ``by_type`` and ``by_name``.
+"""Selection: ``by_type`` and ``by_name`` route layers to transforms.
 
     >>> import torch.nn as nn, fxgrad
     >>> fxgrad.by_type({nn.LSTM: fxgrad.clip_by_norm(0.5)}, default=fxgrad.clip_by_norm(1.0))
@@ -6,7 +6,7 @@
 
 Routers (``by_type``, ``by_name``) hand each non-skipped layer to the first
 matching entry, in mapping order; ``default`` gets the rest (``None`` leaves
-them untouched). A group-scoped transform under a router, such as
+them untouched). A transform that reduces across its layers under a router, such as
 ``clip_by_global_norm``, reduces over the layers routed to it: that is
 clipping per layer type.
 """
@@ -14,55 +14,16 @@ clipping per layer type.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from typing import Any, Mapping, Sequence
 
-import torch.nn as nn
-
-from fxgrad.base import Route, Transform
-from fxgrad.layers import WHAT_IS_A_LAYER, Layer
+from fxgrad.core import match
+from fxgrad.core.layers import WHAT_IS_A_LAYER, Layer
+from fxgrad.core.rule import Route, Transform, check_transform
 
 
 def _names(layers: Sequence[Layer], limit: int = 3) -> str:
     shown = ", ".join(layer.name for layer in layers[:limit])
     return shown + (f" and {len(layers) - limit} more" if len(layers) > limit else "")
-
-
-def _check_transform(argument: str, value: Any) -> Transform:
-    if not isinstance(value, Transform):
-        raise TypeError(
-            f"{argument} must be an fxgrad transform (e.g. fxgrad.clip_by_norm(1.0)), "
-            f"got {value!r} ({type(value).__name__})"
-        )
-    return value
-
-
-@dataclasses.dataclass(frozen=True, repr=False)
-class Chain(Transform):
-    """See :func:`chain`."""
-
-    transforms: tuple[Transform, ...]
-
-    def __repr__(self) -> str:
-        return f"chain({', '.join(map(repr, self.transforms))})"
-
-    def routes(self, layers: Sequence[Layer]) -> list[Route]:
-        return [route for t in self.transforms for route in t.routes(layers)]
-
-    def unmatched(self, layers: Sequence[Layer]) -> list[str]:
-        return [why for t in self.transforms for why in t.unmatched(layers)]
-
-
-def chain(*transforms: Transform) -> Chain:
-    """Apply ``transforms`` one after the other, each to the previous one's output.
-
-        >>> import fxgrad
-        >>> fxgrad.chain(fxgrad.clip_by_value(5.0), fxgrad.clip_by_global_norm(1.0))
-        chain(clip_by_value(clip_value=5.0), clip_by_global_norm(max_norm=1.0))
-    """
-    if not transforms:
-        raise ValueError("chain() needs at least one transform")
-    return Chain(tuple(_check_transform(f"chain() argument {i}", t) for i, t in enumerate(transforms)))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -72,14 +33,8 @@ class _Router(Transform):
 
     name = ""
 
-    def _matches(self, key: Any, layer: Layer) -> bool:
-        raise NotImplementedError
-
-    def _key_repr(self, key: Any) -> str:
-        return repr(key)
-
     def __repr__(self) -> str:
-        body = ", ".join(f"{self._key_repr(k)}: {t!r}" for k, t in self.entries)
+        body = ", ".join(f"{match.key_repr(k)}: {t!r}" for k, t in self.entries)
         default = f", default={self.default!r}" if self.default is not None else ""
         return f"{self.name}({{{body}}}{default})"
 
@@ -97,7 +52,7 @@ class _Router(Transform):
         for layer in layers:
             if layer.skip_reason is not None:
                 continue
-            index = next((i for i, (k, _) in enumerate(self.entries) if self._matches(k, layer)), None)
+            index = match.first_match(range(len(self.entries)), layer, key_of=lambda i: self.entries[i][0])
             (rest if index is None else groups[index]).append(layer)
         return groups, rest
 
@@ -108,9 +63,9 @@ class _Router(Transform):
             if group:
                 out += transform.unmatched(group)
                 continue
-            matching = [layer for layer in layers if self._matches(key, layer)]
+            matching = [layer for layer in layers if match.matches(key, layer)]
             skipped = [layer for layer in matching if layer.skip_reason is not None]
-            entry = f"{self.name} key {self._key_repr(key)}"
+            entry = f"{self.name} key {match.key_repr(key)}"
             if skipped and len(skipped) == len(matching):
                 out.append(f"{entry} reaches no layer: the skip list leaves alone all it matches "
                            f"({_names(skipped)}: {skipped[0].skip_reason}); a skip= list without that entry "
@@ -129,20 +84,11 @@ class ByType(_Router):
 
     name = "by_type"
 
-    def _matches(self, key: type, layer: Layer) -> bool:
-        return layer.module_type is not None and issubclass(layer.module_type, key)
-
-    def _key_repr(self, key: type) -> str:
-        return key.__name__
-
 
 class ByName(_Router):
     """See :func:`by_name`."""
 
     name = "by_name"
-
-    def _matches(self, key: str, layer: Layer) -> bool:
-        return fnmatch.fnmatchcase(layer.name, key)
 
 
 def _entries(argument: str, mapping: Any, check_key, default: Any) -> tuple[tuple[Any, Transform], ...]:
@@ -151,25 +97,21 @@ def _entries(argument: str, mapping: Any, check_key, default: Any) -> tuple[tupl
     if not mapping and default is None:
         raise ValueError(f"{argument} is empty and there is no default: it would route no layer")
     return tuple(
-        (check_key(key), _check_transform(f"{argument}[{key!r}]", value))
+        (check_key(key), check_transform(f"{argument}[{key!r}]", value))
         for key, value in mapping.items()
     )
 
 
 def _module_type(key: Any) -> type:
-    if isinstance(key, type) and issubclass(key, nn.Module):
-        return key
-    raise TypeError(f"by_type keys must be nn.Module subclasses, got {key!r}; use by_name for patterns")
+    return match.check_key("by_type keys", key, patterns=False, hint="; use by_name for patterns")
 
 
 def _pattern(key: Any) -> str:
-    if isinstance(key, str) and key:
-        return key
-    raise TypeError(f"by_name keys must be non-empty fnmatch patterns, got {key!r}")
+    return match.check_key("by_name keys", key, types=False, hint="; use by_type for module types")
 
 
 def _default(default: Any) -> Transform | None:
-    return None if default is None else _check_transform("default", default)
+    return None if default is None else check_transform("default", default)
 
 
 def by_type(mapping: Mapping[type, Transform], default: Transform | None = None) -> ByType:
@@ -183,7 +125,10 @@ def by_type(mapping: Mapping[type, Transform], default: Transform | None = None)
 
 
 def by_name(mapping: Mapping[str, Transform], default: Transform | None = None) -> ByName:
-    """Route each layer by fnmatch of its qualified name; the first match wins.
+    """Route each layer by pattern; the first match wins.
+
+    A pattern is matched against the layer's qualified name and its class
+    name (see :mod:`fxgrad.core.match`).
 
         >>> import fxgrad
         >>> fxgrad.by_name({"policy.*": fxgrad.rescale(alpha=0.3), "value.*": fxgrad.rescale(alpha=0.7)})

@@ -34,11 +34,16 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fxgrad import _compat
-from fxgrad.base import Route, Transform
-from fxgrad.context import GraphContext
-from fxgrad.execute import Executor
-from fxgrad.layers import Owner, ParamRow, SkipEntry, build_layers, parameter_owners
-from fxgrad.state import StateStore
+from fxgrad.core.layers import (
+    Owner,
+    ParamRow,
+    SkipEntry,
+    build_layers,
+    parameter_owners,
+)
+from fxgrad.core.rule import Route, Transform
+from fxgrad.runtime.executor import run_policy
+from fxgrad.runtime.state import StateStore
 
 
 def step_routes(transform: Transform, models: Sequence[tuple[nn.Module, str]], skip: Sequence[SkipEntry],
@@ -76,9 +81,7 @@ def apply_to_grads(
     grads = {layer: [p.grad for p in ps] for layer, ps in params.items()}
     by_name = {o.param: o.tensor for o in with_grad}
     with torch.no_grad():
-        graph = GraphContext(store, with_grad[0].tensor.grad.device, scaler, lambda names: [by_name[n] for n in names])
-        Executor(grads, graph, lambda label: None).run(routes)
-        graph.finish()
+        run_policy(routes, grads, store, with_grad[0].tensor.grad.device, scaler, lambda names: [by_name[n] for n in names])
         for layer, ps in params.items():
             for param, grad in zip(ps, grads[layer]):
                 if grad is not param.grad:

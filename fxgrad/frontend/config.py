@@ -29,37 +29,19 @@ Grammar:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
 from typing import Any, Mapping
 
-from fxgrad import adaptive, compose, nonfinite, normalize, telemetry, transforms, weights
-from fxgrad.backend import Backend
-from fxgrad.base import Transform
-from fxgrad.layers import DEFAULT_SKIP
+from fxgrad.core.layers import DEFAULT_SKIP
+from fxgrad.core.rule import Transform
+from fxgrad.frontend.backend import Backend
+from fxgrad.rules import RULES, composition, selection
 
-FACTORIES = {
-    "clip_by_global_norm": transforms.clip_by_global_norm,
-    "clip_by_norm": transforms.clip_by_norm,
-    "clip_by_value": transforms.clip_by_value,
-    "rescale": transforms.rescale,
-    "monitor": telemetry.monitor,
-    "autoclip": adaptive.autoclip,
-    "zclip": adaptive.zclip,
-    "zero_nonfinite": nonfinite.zero_nonfinite,
-    "skip_nonfinite": nonfinite.skip_nonfinite,
-    "normalize": normalize.normalize,
-    "multi_normalize": normalize.multi_normalize,
-    "sinkhorn": normalize.sinkhorn,
-    "adaptive_grad_clip": weights.adaptive_grad_clip,
-    "scale_by_trust_ratio": weights.scale_by_trust_ratio,
-    "weight_norm_drift": weights.weight_norm_drift,
-    "balance_norms": weights.balance_norms,
-}
-ROUTERS = {"by_type": compose.by_type, "by_name": compose.by_name}
+ROUTERS = {"by_type": selection.by_type, "by_name": selection.by_name}
 BACKEND_KEYS = {"transform", "skip", "compiler", "strict", "scope"}
-STEP_KEYED = {"schedule", "threshold_schedule"}  # multi_normalize's {step: value} arguments
 CONFIG_ENV = "FXGRAD_CONFIG"
 
 
@@ -103,13 +85,13 @@ def load(path: str | os.PathLike) -> dict:
 def parse_transform(spec: Any) -> Transform:
     """A transform from its plain-data form (see the module docstring)."""
     if isinstance(spec, list):
-        return compose.chain(*(parse_transform(item) for item in spec))
+        return composition.chain(*(parse_transform(item) for item in spec))
     if not (isinstance(spec, Mapping) and len(spec) == 1):
         raise ValueError(f"a transform is {{'<name>': {{arguments}}}} or a list of them, got {spec!r}")
     (name, arguments), = spec.items()
-    if name not in FACTORIES and name not in ROUTERS:
+    if name not in RULES and name not in ROUTERS:
         chain = " (a chain is written as a list of transforms)" if name == "chain" else ""
-        raise ValueError(f"unknown transform {name!r}{chain}; known: {sorted(FACTORIES) + sorted(ROUTERS)}")
+        raise ValueError(f"unknown transform {name!r}{chain}; known: {sorted(RULES) + sorted(ROUTERS)}")
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, Mapping):
@@ -117,18 +99,27 @@ def parse_transform(spec: Any) -> Transform:
     if name in ROUTERS:
         return _router(name, arguments)
     arguments = dict(arguments)
-    if name == "rescale" and isinstance(arguments.get("multipliers"), Mapping):
-        arguments["multipliers"] = {_type_or_pattern(k): v for k, v in arguments["multipliers"].items()}
-    for key in STEP_KEYED.intersection(arguments) if name == "multi_normalize" else ():
-        if isinstance(arguments[key], Mapping):
-            arguments[key] = {_step(k): v for k, v in arguments[key].items()}
-    return FACTORIES[name](**arguments)
+    for field in dataclasses.fields(RULES[name]):
+        value, convert = arguments.get(field.name), KEY_SPELLINGS.get(field.metadata.get("config"))
+        if convert is not None and isinstance(value, Mapping):
+            arguments[field.name] = {convert(key): item for key, item in value.items()}
+    return RULES[name](**arguments)
 
 
 def _step(key: Any) -> Any:
     """A JSON object key for a step (``"500"``) as an int; anything else as given, for the
     transform's own check to name."""
     return int(key) if isinstance(key, str) and key.isdigit() else key
+
+
+def _type_or_pattern(entry: Any) -> Any:
+    if isinstance(entry, str) and entry.startswith("type:"):
+        return import_class(entry[len("type:"):])
+    return entry
+
+
+KEY_SPELLINGS = {"layer_keys": _type_or_pattern, "step_keys": _step}
+"""How a config file spells the keys of a rule field marked ``config=...`` (see :func:`fxgrad.core.rule.field`)."""
 
 
 def _router(name: str, arguments: Mapping[str, Any]) -> Transform:
@@ -151,12 +142,6 @@ def _skip(entries: Any) -> tuple:
     for entry in entries:
         result += DEFAULT_SKIP if entry == "default" else [_type_or_pattern(entry)]
     return tuple(result)
-
-
-def _type_or_pattern(entry: Any) -> Any:
-    if isinstance(entry, str) and entry.startswith("type:"):
-        return import_class(entry[len("type:"):])
-    return entry
 
 
 def import_class(path: str) -> type:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from fxgrad.capture import CapturedGraph, Root
-from fxgrad.layers import Layer, ParamRow, SkipEntry, build_layers, model_rows
+from fxgrad.core.layers import Layer, ParamRow, SkipEntry, build_layers, model_rows
+from fxgrad.passes.capture import CapturedGraph, Root
 
 
 def merged_order(known: Sequence[str], graph_order: Iterable[str]) -> list[str]:

@@ -5,6 +5,7 @@
     >>> report = fxgrad.explain(model, torch.randn(2, 4),
     ...     backend=fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager"))
     >>> print(report.table())
+    policy: clip_by_norm(max_norm=1.0)
     layer  type       params  action
     0      Linear         20  clip_by_norm(max_norm=1.0)
     1      LayerNorm       8  skipped: is a LayerNorm
@@ -19,16 +20,17 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from fxgrad.backend import Backend
-from fxgrad.capture import CapturedGraph
-from fxgrad.coverage import CoverageWarning
-from fxgrad.layers import parameter_owners, skip_reason
-from fxgrad.step import step_routes
+from fxgrad.core.layers import parameter_owners, skip_reason
+from fxgrad.frontend.backend import Backend
+from fxgrad.frontend.coverage import CoverageWarning
+from fxgrad.frontend.step_scope import step_routes
+from fxgrad.passes.capture import CapturedGraph
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerDecision:
-    """One row of the report."""
+    """One row of the report: ``action`` lists the rules that reach the layer, each with the
+    values that apply to this layer (``rescale(..., multiplier=1.3)``), or why none does."""
 
     name: str
     type_name: str
@@ -72,11 +74,11 @@ class Report:
         return "".join(f"# ---- backward graph {i}\n{text}" for i, text in enumerate(texts))
 
     def table(self) -> str:
-        """The per-layer decisions as an aligned text table."""
+        """The policy, then the per-layer decisions as an aligned text table."""
         rows = [("layer", "type", "params", "action")]
         rows += [(r.name, r.type_name, str(r.numel), r.action) for r in self.layers]
         widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        lines = [
+        lines = [f"policy: {self.backend.transform!r}"] + [
             f"{name:<{widths[0]}}  {kind:<{widths[1]}}  {numel:>{widths[2]}}  {action}"
             for name, kind, numel, action in rows
         ]
@@ -84,11 +86,12 @@ class Report:
 
     def __str__(self) -> str:
         # .item() syncs with the device: fine, explain is a one-off diagnostic, not a training step.
+        backend = self.backend
         parts = [
-            f"{self.backend!r}",
-            f"{len(self.graphs)} compiled graph(s), loss {self.loss.item():.6g}",
-            "",
             self.table(),
+            "",
+            f"{len(self.graphs)} compiled graph(s) (compiler={backend.compiler!r}, scope={backend.scope!r}), "
+            f"loss {self.loss.item():.6g}",
         ]
         if self.warnings:
             parts += ["", "warnings:"] + [f"  {w}" for w in self.warnings]
@@ -149,9 +152,10 @@ def _decisions(model: nn.Module, probe: Backend, step_scope: list | None) -> lis
     for graph in probe.graphs:
         seen |= {layer.name for layer in graph.layers}
     for route in routes:
-        for name in route.names:
-            if repr(route.leaf) not in actions.setdefault(name, []):
-                actions[name].append(repr(route.leaf))
+        for layer in route.layers:
+            action = route.leaf.on_layer(layer)
+            if action not in actions.setdefault(layer.name, []):
+                actions[layer.name].append(action)
     rows = []
     for name, info in layers.items():
         reason = skip_reason(name, info.module_type, probe.skip)

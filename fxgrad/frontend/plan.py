@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from fxgrad.base import Route, Transform
-from fxgrad.capture import CapturedGraph
-from fxgrad.layers import Layer, ParamRow, SkipEntry, build_layers
+from fxgrad.core.layers import Layer, ParamRow, SkipEntry, build_layers
+from fxgrad.core.rule import Route, Transform
+from fxgrad.passes.capture import CapturedGraph
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,16 +14,16 @@ changes every step with no host sync and no recompile.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
-from fxgrad import _validate, norms
-from fxgrad.base import ScaleLeaf
-from fxgrad.context import RouteContext
-from fxgrad.layers import Layer
-from fxgrad.norms import Factor, NormStats
+from fxgrad.core import validate
+from fxgrad.core.layers import Layer
+from fxgrad.core.rule import ScaleLeaf, rule
+from fxgrad.runtime import norm_math
+from fxgrad.runtime.context import RouteContext
+from fxgrad.runtime.norm_math import Factor, NormStats
 
 BUFFER_MAX = 10**6  # entries of a history kept on the device
 
@@ -34,23 +34,46 @@ def _report(ctx: RouteContext, total: torch.Tensor, coef: torch.Tensor) -> None:
     ctx.emit("clip_coef", coef)
 
 
-@dataclasses.dataclass(frozen=True)
+@rule
 class AutoClip(ScaleLeaf):
-    """See :func:`autoclip`."""
+    """Adaptive percentile clipping (AutoClip, Seetharaman et al. 2020), on the device.
+
+    Each backward: the global norm ``n`` (before clipping) is pushed into a
+    ring buffer of the last ``history`` norms; the threshold becomes
+    ``tau <- (1 - blend) * tau + blend * percentile(buffer, percentile)``
+    (``tau`` is the percentile itself on the first step); then the global norm
+    is clipped to ``tau`` as ``clip_grad_norm_`` would. The percentile
+    interpolates linearly, like ``numpy.percentile``'s default. A non-finite
+    norm is not pushed (it still propagates to the gradients).
+
+    Statistics: ``autoclip/threshold``, ``grad_norm/total``,
+    ``grad_norm/total_clipped``, ``clip_coef``.
+
+        >>> import fxgrad
+        >>> fxgrad.autoclip(percentile=10, history=1000)
+        autoclip(percentile=10.0, history=1000, blend=0.1)
+    """
+
+    name = "autoclip"
+    reach = "group"
+    per_layer = False
 
     percentile: float = 90.0
     history: int = 100
     blend: float = 0.1
 
-    scope = "group"
-    per_layer = False
-    name = "autoclip"
-
-    def __repr__(self) -> str:
-        return f"autoclip(percentile={self.percentile!r}, history={self.history!r}, blend={self.blend!r})"
+    def __post_init__(self) -> None:
+        percentile = validate.real_number("percentile", self.percentile)
+        if not 0 <= percentile <= 100:
+            raise ValueError(f"percentile must be in [0, 100], got {percentile!r}")
+        blend = validate.real_number("blend", self.blend)
+        if not 0 < blend <= 1:
+            raise ValueError(f"blend must be in (0, 1], got {blend!r}")
+        history = validate.positive_int("history", self.history, BUFFER_MAX, "a buffer on the device, sorted every step")
+        self.set(percentile=percentile, history=history, blend=blend)
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
-        total = norms.group_norm(stats, 2.0).to(torch.float64)
+        total = norm_math.group_norm(stats, 2.0).to(torch.float64)
         size = self.history
         state = ctx.state(shared={"history": ((size,), 0.0), "count": ((), 0.0), "threshold": ((), 0.0)})
         count, history = state["count"], state["history"]
@@ -70,32 +93,58 @@ class AutoClip(ScaleLeaf):
         blended = torch.where(count == 0, value, (1 - self.blend) * state["threshold"] + self.blend * value)
         threshold = torch.where(finite, blended, state["threshold"])
         ctx.save(state, history=history, count=count + finite.to(torch.float64), threshold=threshold)
-        coef = norms.clip_coefficient_tensor(total, threshold)
+        coef = norm_math.clip_coefficient_tensor(total, threshold)
         ctx.emit("autoclip/threshold", threshold)
         _report(ctx, total, coef)
         return [coef] * len(stats)
 
 
-@dataclasses.dataclass(frozen=True)
+@rule
 class ZClip(ScaleLeaf):
-    """See :func:`zclip`."""
+    """ZClip (Kumar et al. 2025): z-score clipping against an EMA of the global norm.
+
+    * Warm-up (the first ``warmup`` steps): norms are collected and the global
+      norm is clipped to ``max_norm``. The last warm-up step sets the EMA mean
+      and variance to the collected norms' mean and (population) variance.
+    * Then, with ``z = (n - mu) / (sigma + 1e-6)``: when ``z > z_thresh`` the
+      threshold is ``mu + z_thresh * sigma / (z / z_thresh)``, else ``n``; the
+      gradient is clipped to ``min(threshold, max_norm)`` (scaled by
+      ``threshold / (n + 1e-6)`` only when ``n`` exceeds it).
+    * The EMA (``mu <- alpha mu + (1 - alpha) x``, then
+      ``sigma^2 <- alpha sigma^2 + (1 - alpha)(x - mu)^2``) is updated with
+      ``x``, the threshold on a spike and ``n`` otherwise.
+
+    ``max_norm=None`` disables the cap. A non-finite norm leaves the state
+    alone (it still propagates to the gradients). Statistics: ``zclip/z``,
+    ``zclip/mean``, ``zclip/std``, ``grad_norm/total``,
+    ``grad_norm/total_clipped``, ``clip_coef``.
+
+        >>> import fxgrad
+        >>> fxgrad.zclip(z_thresh=3.0, max_norm=None)
+        zclip(alpha=0.97, z_thresh=3.0, max_norm=None, warmup=25)
+    """
+
+    name = "zclip"
+    reach = "group"
+    per_layer = False
+    EPS: ClassVar[float] = 1e-6
 
     alpha: float = 0.97
     z_thresh: float = 2.5
     max_norm: float | None = 1.0
     warmup: int = 25
 
-    EPS = 1e-6
-    scope = "group"
-    per_layer = False
-    name = "zclip"
-
-    def __repr__(self) -> str:
-        return (f"zclip(alpha={self.alpha!r}, z_thresh={self.z_thresh!r}, max_norm={self.max_norm!r}, "
-                f"warmup={self.warmup!r})")
+    def __post_init__(self) -> None:
+        alpha = validate.real_number("alpha", self.alpha)
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+        self.set(alpha=alpha, z_thresh=validate.positive("z_thresh", self.z_thresh, allow_inf=False),
+                 max_norm=None if self.max_norm is None else validate.positive("max_norm", self.max_norm),
+                 warmup=validate.positive_int("warmup", self.warmup, BUFFER_MAX,
+                                              "its norms are kept in a buffer on the device"))
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
-        total = norms.group_norm(stats, 2.0).to(torch.float64)
+        total = norm_math.group_norm(stats, 2.0).to(torch.float64)
         state = ctx.state(shared={"warmup_norms": ((self.warmup,), 0.0), "count": ((), 0.0),
                                   "mean": ((), 0.0), "var": ((), 0.0)})
         count, mean, var = state["count"], state["mean"], state["var"]
@@ -108,7 +157,7 @@ class ZClip(ScaleLeaf):
         collected = torch.where((slots == count) & finite, total, state["warmup_norms"])
         first_mean = collected.mean()
         first_var = ((collected - first_mean) ** 2).mean()
-        warm_coef = norms.clip_coefficient_tensor(total, torch.full_like(total, cap))
+        warm_coef = norm_math.clip_coefficient_tensor(total, torch.full_like(total, cap))
 
         # After warm-up: z-score against the EMA; outliers get the reciprocal threshold.
         std = var.sqrt()
@@ -133,63 +182,3 @@ class ZClip(ScaleLeaf):
         ctx.emit("zclip/std", var_out.sqrt())
         _report(ctx, total, coef)
         return [coef] * len(stats)
-
-
-def autoclip(percentile: float = 90, history: int = 100, blend: float = 0.1) -> AutoClip:
-    """Adaptive percentile clipping (AutoClip, Seetharaman et al. 2020), on the device.
-
-    Each backward: the global norm ``n`` (before clipping) is pushed into a
-    ring buffer of the last ``history`` norms; the threshold becomes
-    ``tau <- (1 - blend) * tau + blend * percentile(buffer, percentile)``
-    (``tau`` is the percentile itself on the first step); then the global norm
-    is clipped to ``tau`` as ``clip_grad_norm_`` would. The percentile
-    interpolates linearly, like ``numpy.percentile``'s default. A non-finite
-    norm is not pushed (it still propagates to the gradients).
-
-    Statistics: ``autoclip/threshold``, ``grad_norm/total``,
-    ``grad_norm/total_clipped``, ``clip_coef``.
-
-        >>> autoclip(percentile=10, history=1000)
-        autoclip(percentile=10.0, history=1000, blend=0.1)
-    """
-    percentile = _validate.real_number("percentile", percentile)
-    if not 0 <= percentile <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {percentile!r}")
-    history = _validate.positive_int("history", history, BUFFER_MAX, "a buffer on the device, sorted every step")
-    blend = _validate.real_number("blend", blend)
-    if not 0 < blend <= 1:
-        raise ValueError(f"blend must be in (0, 1], got {blend!r}")
-    return AutoClip(percentile, history, blend)
-
-
-def zclip(alpha: float = 0.97, z_thresh: float = 2.5, max_norm: float | None = 1.0, warmup: int = 25) -> ZClip:
-    """ZClip (Kumar et al. 2025): z-score clipping against an EMA of the global norm.
-
-    * Warm-up (the first ``warmup`` steps): norms are collected and the global
-      norm is clipped to ``max_norm``. The last warm-up step sets the EMA mean
-      and variance to the collected norms' mean and (population) variance.
-    * Then, with ``z = (n - mu) / (sigma + 1e-6)``: when ``z > z_thresh`` the
-      threshold is ``mu + z_thresh * sigma / (z / z_thresh)``, else ``n``; the
-      gradient is clipped to ``min(threshold, max_norm)`` (scaled by
-      ``threshold / (n + 1e-6)`` only when ``n`` exceeds it).
-    * The EMA (``mu <- alpha mu + (1 - alpha) x``, then
-      ``sigma^2 <- alpha sigma^2 + (1 - alpha)(x - mu)^2``) is updated with
-      ``x``, the threshold on a spike and ``n`` otherwise.
-
-    ``max_norm=None`` disables the cap. A non-finite norm leaves the state
-    alone (it still propagates to the gradients). Statistics: ``zclip/z``,
-    ``zclip/mean``, ``zclip/std``, ``grad_norm/total``,
-    ``grad_norm/total_clipped``, ``clip_coef``.
-
-        >>> zclip(z_thresh=3.0, max_norm=None)
-        zclip(alpha=0.97, z_thresh=3.0, max_norm=None, warmup=25)
-    """
-    alpha = _validate.real_number("alpha", alpha)
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
-    z_thresh = _validate.positive("z_thresh", z_thresh, allow_inf=False)
-    if max_norm is not None:
-        max_norm = _validate.positive("max_norm", max_norm)
-    return ZClip(alpha, z_thresh, max_norm,
-                 _validate.positive_int("warmup", warmup, BUFFER_MAX, "its norms are kept in a buffer on the device"))
-

@@ -1,5 +1,9 @@
 """Run a plan's routes over per-layer gradients, as plain torch code.
 
+:func:`run_policy` is the one driver of both scopes: graph scope calls it
+under a recorder, so each op lands in the backward graph; step scope calls it
+on the real ``.grad`` tensors.
+
 Consecutive :class:`~fxgrad.base.ScaleLeaf` routes form a *run*: the
 gradients are read once for their norms, each route computes its factors
 from the (already scaled) norms, and every gradient is multiplied once by the
@@ -14,15 +18,41 @@ multiply the scaled gradients (``unscale_`` later divides them).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from fxgrad import norms
-from fxgrad.base import Route, ScaleLeaf
-from fxgrad.context import GraphContext
+from fxgrad.core.rule import Route, ScaleLeaf
+from fxgrad.runtime import norm_math
+from fxgrad.runtime.context import GraphContext
+from fxgrad.runtime.state import StateStore
 
 Grads = dict[str, list[torch.Tensor]]
+
+
+def run_policy(
+    routes: Sequence[tuple[int, Route]],
+    grads: Grads,
+    store: StateStore,
+    device: torch.device,
+    scaler: Any = None,
+    params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
+    frame: int = 0,
+    set_label: Callable[[str], None] = lambda label: None,
+) -> None:
+    """Apply ``routes`` to ``grads`` (layer name -> its gradients, replaced in place).
+
+    Loads the loss scale and state, runs the routes, and saves the statistics.
+    ``params(names)`` returns the parameters with those qualified names (for
+    rules that read weights); ``frame`` numbers the compiled frame (see
+    :class:`~fxgrad.runtime.context.GraphContext`); ``set_label`` names the
+    ops that follow (graph scope tags the recorded nodes with it).
+    """
+    set_label("loss scale")
+    graph = GraphContext(store, device, scaler, params, frame)
+    Executor(grads, graph, set_label).run(routes)
+    set_label("statistics")
+    graph.finish()
 
 
 class Executor:
@@ -32,7 +62,7 @@ class Executor:
         self.grads, self.graph, self.set_label = grads, graph, set_label
         self.inverse_scale = None if graph.scale is None else 1.0 / graph.scale
         # layer -> (its norm statistics when read, factor applied since), while still valid
-        self._norms: dict[str, tuple[norms.NormStats, norms.Factor]] = {}
+        self._norms: dict[str, tuple[norm_math.NormStats, norm_math.Factor]] = {}
         self._at_end: list[Callable[[], None]] = []
 
     def run(self, routes: Sequence[tuple[int, Route]]) -> None:
@@ -51,7 +81,7 @@ class Executor:
         for callback in self._at_end:
             callback()
 
-    def norms_now(self, names: Sequence[str], orders: Sequence[float]) -> list[norms.NormStats]:
+    def norms_now(self, names: Sequence[str], orders: Sequence[float]) -> list[norm_math.NormStats]:
         """Unscaled norm statistics of the current gradients of ``names``."""
         out = []
         for name in names:
@@ -59,7 +89,7 @@ class Executor:
             if known is not None and all(p in known[0].sums for p in orders):
                 out.append(known[0].scaled(known[1]) if not _is_one(known[1]) else known[0])
             else:
-                stats = norms.NormStats.of(self.grads[name], orders)
+                stats = norm_math.NormStats.of(self.grads[name], orders)
                 if self.inverse_scale is not None:
                     stats = stats.scaled(self.inverse_scale)
                 self._norms[name] = (stats, 1.0)
@@ -84,7 +114,7 @@ class Executor:
         self.set_label("layer norms for " + ", ".join(repr(route.leaf) for _, route in run))
         current = dict(zip(names, self.norms_now(names, orders)))
         last_use = {name: i for i, (_, route) in enumerate(run) for name in route.names}
-        factors: dict[str, norms.Factor] = {}
+        factors: dict[str, norm_math.Factor] = {}
         for i, (index, route) in enumerate(run):
             self.set_label(route.label)
             ctx = self.graph.route(index, route.leaf.name, route.layers, self)
@@ -97,10 +127,10 @@ class Executor:
                     current[name] = current[name].scaled(factor)
         self.set_label("scale gradients")
         for name, factor in factors.items():
-            self.grads[name] = norms.scaled(self.grads[name], factor)
+            self.grads[name] = norm_math.scaled(self.grads[name], factor)
             stats, before = self._norms[name]
             self._norms[name] = (stats, factor if _is_one(before) else before * factor)
 
 
-def _is_one(factor: norms.Factor) -> bool:
+def _is_one(factor: norm_math.Factor) -> bool:
     return isinstance(factor, float) and factor == 1.0

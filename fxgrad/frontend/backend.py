@@ -28,19 +28,18 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-import passes
-from fxgrad import _compat
-from fxgrad.base import Transform
-from fxgrad.capture import CapturedGraph, Root, capture
-from fxgrad.coverage import CoverageCheck, CoverageWarning, policy_misses
-from fxgrad.graphtext import normalize_code, render_inserted
-from fxgrad.layers import DEFAULT_SKIP, SkipEntry, validate_skip
-from fxgrad.plan import plan_graph
-from fxgrad.registry import GraphRegistry
-from fxgrad.rewrite import rewrite_backward
-from fxgrad.state import StateStore
-from fxgrad.step import StepScope, apply_to_grads
-from fxgrad.watch import ForwardWatch, track_wrapper
+from fxgrad import _compat, passes
+from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry, validate_skip
+from fxgrad.core.rule import Transform
+from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_misses
+from fxgrad.frontend.graphs import GraphRegistry
+from fxgrad.frontend.plan import plan_graph
+from fxgrad.frontend.rewrite import rewrite_backward
+from fxgrad.frontend.step_scope import StepScope, apply_to_grads
+from fxgrad.frontend.watch import ForwardWatch, track_wrapper
+from fxgrad.passes.capture import CapturedGraph, Root, capture
+from fxgrad.passes.graphtext import normalize_code, render_inserted
+from fxgrad.runtime.state import StateStore, group_label
 
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
 SCOPES = ("auto", "graph", "step")
@@ -215,19 +214,20 @@ class Backend:
             self._coverage.graph(self.registry, graph, plan, has_grad)
         graph.routes = plan.active_routes()
         if self.keep_code:
-            graph.backward_before = normalize_code(gm.code)
+            graph.backward_before = normalize_code(gm.code, group_label)
         rewrite_backward(gm, plan, outputs, self.store, self.scaler, graph.tensors, self.registry.frame_index(graph))
         if self.keep_code:
             self._keep_code(graph, gm, outputs, has_grad)
 
     @staticmethod
     def _keep_code(graph: CapturedGraph, gm: torch.fx.GraphModule, outputs: list, has_grad: set[int]) -> None:
-        graph.backward_after = normalize_code(gm.code)
+        graph.backward_after = normalize_code(gm.code, group_label)
         names = {p.index: p.name for p in graph.params}
         slots = [slot for slot in sorted(has_grad) if slot in names]
         returned = gm.graph.output_node().args[0]
         graph.inserted = render_inserted(
-            gm, {outputs[slot]: names[slot] for slot in slots}, {names[slot]: returned[slot] for slot in slots}
+            gm, {outputs[slot]: names[slot] for slot in slots}, {names[slot]: returned[slot] for slot in slots},
+            group_label,
         )
 
     def step(self, model: nn.Module | None = None) -> None:
@@ -333,8 +333,8 @@ def _check_scaler(scaler: Any, transform: Transform | None) -> Any:
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     if not scaler.is_enabled():  # GradScaler(enabled=False), or a CUDA scaler without CUDA: no scaling
         return None
-    leaves = {leaf.name for leaf in transform.leaves()} if transform is not None else set()
-    hiding = leaves & {"zero_nonfinite", "skip_nonfinite"}
+    leaves = transform.leaves() if transform is not None else []
+    hiding = {leaf.name for leaf in leaves if leaf.hides_nonfinite}
     if hiding:
         raise ValueError(
             f"scaler: {sorted(hiding)} would hide the Inf/NaN the GradScaler needs to see to "

@@ -1,0 +1,219 @@
+"""The transform protocol: what a policy is, how it picks layers, and the rule registry.
+
+A policy is a tree of transforms. Composite transforms (``chain``, ``by_type``,
+``by_name``) only route; *leaf* transforms do the math. Routing a policy over a
+model's layers yields an ordered list of :class:`Route` s, each a leaf and the
+layers it acts on::
+
+    >>> import fxgrad
+    >>> from fxgrad.core.layers import Layer
+    >>> layers = [Layer("fc", None, ("fc.weight",), 4), Layer("ln", None, ("ln.weight",), 2,
+    ...           skip_reason="is a LayerNorm")]
+    >>> [(repr(r.leaf), r.names) for r in fxgrad.clip_by_norm(1.0).routes(layers)]
+    [('clip_by_norm(max_norm=1.0)', ('fc',))]
+
+Most leaves only multiply each layer's gradients by a factor computed from
+layer norms (:class:`ScaleLeaf`); the others transform gradients directly
+(:class:`Leaf`). See :mod:`fxgrad.runtime.executor` for how they run.
+
+A leaf is defined once, in its family's module under ``fxgrad/rules/``, and
+registered there with :func:`rule`: that makes it a frozen dataclass, gives it
+a ``repr`` that reads like its construction, and publishes it as
+``fxgrad.<name>`` and under ``<name>`` in config files. Validation runs in
+``__post_init__``, so every construction validates::
+
+    @rule
+    class ClipByNorm(ScaleLeaf):
+        # the docstring: what it computes, its eager reference, a doctest
+        name = "clip_by_norm"
+        max_norm: float
+        norm_type: float = field(2.0, shown=lambda rule: rule.norm_type != 2.0)
+
+        def __post_init__(self) -> None:
+            self.set(max_norm=validate.positive("max_norm", self.max_norm))
+
+        def factors(self, stats, layers, ctx): ...
+
+docs/adding-a-rule.md walks through the contracts and the tests a rule needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Sequence, TypeVar
+
+import torch
+
+from fxgrad.core.layers import Layer
+
+if TYPE_CHECKING:
+    from fxgrad.runtime.context import RouteContext
+    from fxgrad.runtime.norm_math import Factor, NormStats
+
+Reach = Literal["element", "layer", "group"]
+LayerGrads = list[list[torch.Tensor]]
+
+
+class Transform:
+    """Base class of all policies. Instances are immutable and validated."""
+
+    def routes(self, layers: Sequence[Layer]) -> list[Route]:
+        """The leaves this transform applies, in order, each with its layers.
+
+        A route is returned even when it selects no layer, so the routes of the
+        same policy over two layer lists line up index by index.
+        """
+        raise NotImplementedError
+
+    def leaves(self) -> list[Leaf]:
+        """Every leaf of the policy, in order."""
+        return [route.leaf for route in self.routes(())]
+
+    def unmatched(self, layers: Sequence[Layer]) -> list[str]:
+        """Why routing keys (``by_type``, ``by_name``) that reach none of ``layers`` do not."""
+        return []
+
+
+class Leaf(Transform):
+    """A transform that computes something.
+
+    Class attributes a rule sets where it differs from the default:
+
+    * ``name``: its public name (``fxgrad.<name>``, config files); it also
+      namespaces its state and statistics.
+    * ``reach``: how far its reductions reach: ``"element"`` (none),
+      ``"layer"`` (each layer on its own) or ``"group"`` (across all the layers
+      it is routed to, e.g. a global norm).
+    * ``per_layer``: ``True`` leaves never touch skipped layers; the others
+      (global clipping) cover every layer.
+    * ``hides_nonfinite``: it replaces Inf/NaN, which a GradScaler must see,
+      so a backend with a scaler refuses it.
+    """
+
+    reach: ClassVar[Reach] = "layer"
+    per_layer: ClassVar[bool] = True
+    hides_nonfinite: ClassVar[bool] = False
+    name: ClassVar[str] = "leaf"
+
+    def __repr__(self) -> str:
+        return call_repr(self.name, **self.shown_fields())
+
+    def shown_fields(self) -> dict[str, Any]:
+        """The fields ``repr`` writes, by name, each as ``repr`` writes it (see :func:`field`)."""
+        shown = {}
+        for f in dataclasses.fields(self):
+            if f.repr and f.metadata.get("shown", lambda rule: True)(self):
+                value = getattr(self, f.name)
+                shown[f.name] = _Verbatim(f.metadata["text"](value)) if "text" in f.metadata else value
+        return shown
+
+    def on_layer(self, layer: Layer) -> str:
+        """What this rule does to ``layer``, with the values that apply to it (for :func:`fxgrad.explain`).
+
+        The rule's own ``repr`` unless its values differ per layer (``rescale``'s multipliers).
+        """
+        return repr(self)
+
+    def set(self, **values: Any) -> None:
+        """Replace fields with their validated values, in ``__post_init__`` (rules are frozen)."""
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    def routes(self, layers: Sequence[Layer]) -> list[Route]:
+        if self.per_layer:
+            layers = [layer for layer in layers if layer.skip_reason is None]
+        return [Route(self, tuple(layers))]
+
+    def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
+        """Transform ``grads[i]`` (the gradients of ``layers[i]``); same structure out.
+
+        ``ctx`` gives device-side state, the loss scale and statistics.
+        """
+        raise NotImplementedError
+
+
+class ScaleLeaf(Leaf):
+    """A leaf that multiplies each layer's gradients by one factor ``>= 0``.
+
+    The factor depends on the layer norms only. ``norm_orders`` lists the
+    p-norms ``factors`` reads; consecutive scale leaves share one pass over
+    the gradients and a single multiplication per gradient.
+    """
+
+    norm_orders: tuple[float, ...] = (2.0,)
+
+    def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
+        """One factor per layer, from ``stats[i]``, the (unscaled) norms of ``layers[i]``.
+
+        A factor is a 0-dim tensor or a Python float; ``1.0`` costs nothing.
+        """
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One leaf and the layers it acts on."""
+
+    leaf: Leaf
+    layers: tuple[Layer, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(layer.name for layer in self.layers)
+
+    @property
+    def label(self) -> str:
+        """A short description used to tag the nodes this route inserts."""
+        names = self.names
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} layers)" if len(names) > 4 else "")
+        return f"{self.leaf!r} on [{shown}]"
+
+
+def check_transform(argument: str, value: Any) -> Transform:
+    """``value`` if it is a transform; ``TypeError`` naming ``argument`` otherwise."""
+    if not isinstance(value, Transform):
+        raise TypeError(
+            f"{argument} must be an fxgrad transform (e.g. fxgrad.clip_by_norm(1.0)), "
+            f"got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def call_repr(name: str, **kwargs: Any) -> str:
+    return f"{name}({', '.join(f'{key}={value!r}' for key, value in kwargs.items())})"
+
+
+class _Verbatim(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+RULES: dict[str, type[Leaf]] = {}
+"""Every registered rule by name: ``fxgrad.<name>``, and the names config files use."""
+
+L = TypeVar("L", bound=type)
+
+
+def rule(cls: L) -> L:
+    """Make ``cls`` a frozen dataclass and register it as ``fxgrad.<cls.name>``."""
+    if cls.__dict__.get("name") in (None, Leaf.name):
+        raise TypeError(f"rule {cls.__name__} must set its public name: name = '...'")
+    if cls.name in RULES:
+        raise TypeError(f"rule name {cls.name!r} is taken by {RULES[cls.name].__qualname__}")
+    cls = dataclasses.dataclass(frozen=True, repr=False)(cls)
+    RULES[cls.name] = cls
+    return cls
+
+
+def field(default: Any = dataclasses.MISSING, *, shown: Callable[[Any], bool] | None = None,
+          text: Callable[[Any], str] | None = None, config: str | None = None, kw_only: bool = False) -> Any:
+    """A rule field with a default.
+
+    ``shown(rule)`` says whether ``repr`` prints it (always by default);
+    ``text(value)`` writes it (``repr(value)`` by default). ``config`` marks
+    values a config file spells differently: ``"layer_keys"`` (a mapping keyed
+    by module types written ``"type:torch.nn.Conv2d"``) or ``"step_keys"`` (a
+    mapping keyed by step numbers, which JSON writes as strings).
+    """
+    metadata = {key: value for key, value in (("shown", shown), ("text", text), ("config", config)) if value}
+    return dataclasses.field(default=default, metadata=metadata, kw_only=kw_only)

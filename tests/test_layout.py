@@ -1,0 +1,69 @@
+"""The package layout: imports run downward only, and every rule is published from its registry."""
+
+import ast
+import pathlib
+import re
+
+import fxgrad
+from fxgrad.core.rule import RULES
+
+ROOT = pathlib.Path(fxgrad.__file__).parent
+
+# Each layer may import the layers listed for it (and itself); _compat is importable from all.
+ALLOWED = {
+    "core": {"core"},
+    "passes": {"core", "passes"},
+    "runtime": {"core", "runtime"},
+    "rules": {"core", "runtime", "rules"},
+    "frontend": {"core", "passes", "runtime", "rules", "frontend"},
+}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "fxgrad" and parts[1] in ALLOWED else None
+
+
+def _imports(path: pathlib.Path):
+    """Modules ``path`` imports at run time (imports for type checkers only are left out)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+                   for node in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module == "fxgrad":  # from fxgrad import _compat, passes
+            yield from (f"fxgrad.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+
+
+def test_imports_run_downward():
+    upward = []
+    for layer, allowed in ALLOWED.items():
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            for module in _imports(path):
+                target = _layer(module)
+                public_api = module.startswith("fxgrad.") and target is None and not module.startswith("fxgrad._")
+                if public_api or (target is not None and target not in allowed):
+                    upward.append(f"{path.relative_to(ROOT.parent)} imports {module}")
+    assert not upward, "\n".join(upward)
+
+
+def test_private_torch_apis_stay_in_compat():
+    private = [f"{path.relative_to(ROOT.parent)} imports {module}"
+               for path in sorted(ROOT.rglob("*.py")) if path.name != "_compat.py"
+               for module in _imports(path) if module.startswith("torch._")]
+    assert not private, "\n".join(private)
+
+
+def test_every_rule_is_public_and_documented():
+    assert set(RULES) <= set(fxgrad.__all__)
+    assert all(getattr(fxgrad, name) is cls for name, cls in RULES.items())
+    readme = (ROOT.parent / "README.md").read_text()
+    listed = set(re.findall(r"^\| `(\w+)\(", readme, flags=re.M))
+    composites = {"chain", "by_type", "by_name"}
+    assert listed - composites == set(RULES), "the README's rule table and fxgrad's rules differ"
