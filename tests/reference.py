@@ -329,3 +329,51 @@ class MultiNormalize:
             _set(params, [p.grad.double() / (divisor + self.eps) for p in params])
             out[name] = (choice, rho)
         return out
+
+
+class AdaGC:
+    """AdaGC as the authors' released code runs it (github.com/lishuai-97/AdaGC, commit 32c249f,
+    ``megatron/optimizer/clip_grads.py``, class ``AdaGC``), single process, fp32 norms.
+
+    State: ``t`` (calls so far) and ``gamma``, one 0-dim fp32 tensor per parameter name, set
+    the first time the parameter has a gradient. ``step(model)`` edits ``.grad`` in place
+    and returns the global norm of the raw gradients; ``clipped`` lists the parameters the
+    adaptive phase clipped this step.
+    """
+
+    def __init__(self, lambda_abs=1.0, lambda_rel=1.04, beta=0.99, warmup=100, eps=1e-6):
+        self.lambda_abs, self.lambda_rel, self.beta, self.warmup, self.eps = lambda_abs, lambda_rel, beta, warmup, eps
+        self.t, self.gamma, self.clipped = 0, {}, []
+
+    @staticmethod
+    def _norm(grad):
+        return torch.linalg.vector_norm(grad.detach().float())
+
+    @torch.no_grad()
+    def step(self, model):
+        self.t += 1
+        self.clipped = []
+        live = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
+        total = sum(float(self._norm(p.grad)) ** 2 for _, p in live) ** 0.5
+        if self.t <= self.warmup:  # GlobalGC to lambda_abs; gamma = running min of the clipped norms
+            coef = self.lambda_abs / (total + self.eps)
+            if coef < 1.0:
+                for _, p in live:
+                    p.grad.mul_(coef)
+            for name, p in live:
+                n = self._norm(p.grad)
+                if name not in self.gamma or n < self.gamma[name]:
+                    self.gamma[name] = n.clone()
+        else:  # each tensor against lambda_rel * gamma; gamma = EMA of the clipped norms
+            for name, p in live:
+                n = self._norm(p.grad)
+                if name not in self.gamma:
+                    self.gamma[name] = n.clone()
+                previous = self.gamma[name]
+                threshold = self.lambda_rel * previous
+                if n > threshold:
+                    p.grad.mul_(threshold / (n + self.eps))
+                    n = threshold
+                    self.clipped.append(name)
+                self.gamma[name] = previous * self.beta + n * (1.0 - self.beta)
+        return total

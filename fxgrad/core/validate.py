@@ -50,12 +50,13 @@ def norm_type(value: Any) -> float:
 MAX_STEP = 2**53
 
 
-def positive_int(name: str, value: Any, maximum: int = MAX_STEP, why: str = "steps are counted in float64") -> int:
-    """An int in ``[1, maximum]`` (bools refused); ``why`` explains the bound."""
+def positive_int(name: str, value: Any, maximum: int = MAX_STEP, why: str = "steps are counted in float64",
+                 minimum: int = 1) -> int:
+    """An int in ``[minimum, maximum]`` (bools refused); ``why`` explains the upper bound."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     if value > maximum:
         raise ValueError(f"{name} must be <= {maximum} ({why}), got {value!r}")
     return int(value)

@@ -1,15 +1,18 @@
-"""Adaptive clipping with state on the device: AutoClip and ZClip.
+"""Adaptive clipping with state on the device: AutoClip, ZClip and AdaGC.
 
-Both clip the global gradient norm (all layers, norm layers included, as
-``clip_by_global_norm``) to a threshold learned from past norms. The
-threshold is computed inside the compiled backward from device state, so it
-changes every step with no host sync and no recompile.
+AutoClip and ZClip clip the global gradient norm, AdaGC each parameter
+tensor's norm; all cover every layer, norm layers included, as
+``clip_by_global_norm`` does, with thresholds learned from past norms. The
+thresholds are computed inside the compiled backward from device state, so
+they change every step with no host sync and no recompile.
 
     >>> import fxgrad
     >>> fxgrad.autoclip(percentile=90, history=100, blend=0.1)
     autoclip(percentile=90.0, history=100, blend=0.1)
     >>> fxgrad.zclip()
     zclip(alpha=0.97, z_thresh=2.5, max_norm=1.0, warmup=25)
+    >>> fxgrad.adagc()
+    adagc(lambda_abs=1.0, lambda_rel=1.04, beta=0.99, warmup=100, eps=1e-06)
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from fxgrad.core import validate
 from fxgrad.core.layers import Layer
-from fxgrad.core.rule import ScaleLeaf, rule
+from fxgrad.core.rule import LayerGrads, Leaf, ScaleLeaf, rule
 from fxgrad.runtime import norm_math
 from fxgrad.runtime.context import RouteContext
 from fxgrad.runtime.norm_math import Factor, NormStats
@@ -182,3 +185,106 @@ class ZClip(ScaleLeaf):
         ctx.emit("zclip/std", var_out.sqrt())
         _report(ctx, total, coef)
         return [coef] * len(stats)
+
+
+@rule
+class AdaGC(Leaf):
+    """AdaGC (Wang et al. 2025, arXiv 2502.11034): clips each parameter tensor
+    against an EMA of its own past clipped norms.
+
+    Per parameter tensor ``i`` (each ``nn.Parameter`` with a gradient, norm
+    layers included) AdaGC keeps ``gamma_i``; each step ``t = 1, 2, ...``:
+
+    * Warm-up, ``t <= warmup``: every gradient is clipped together, as
+      ``clip_grad_norm_(max_norm=lambda_abs)`` (scaled by
+      ``lambda_abs / (G + eps)`` when that is below 1, ``G`` the global norm);
+      then ``gamma_i`` becomes the tensor's norm after that clip on the first
+      step, and the minimum of ``gamma_i`` and that norm after.
+    * Then, with ``n_i`` the tensor's norm: when ``n_i > lambda_rel * gamma_i``
+      its gradient is scaled by ``lambda_rel * gamma_i / (n_i + eps)`` and
+      ``n_i`` is taken as ``lambda_rel * gamma_i``; then
+      ``gamma_i <- beta * gamma_i + (1 - beta) * n_i``. A tensor first seen
+      after warm-up starts from ``gamma_i = n_i``.
+
+    This is the update of the authors' released code (github.com/lishuai-97/AdaGC,
+    ``megatron/optimizer/clip_grads.py``, class ``AdaGC``), whose defaults
+    these are (``--clip-ratio 1.04``, ``--clip-beta 0.99``, 100 warm-up steps,
+    ``eps`` 1e-6, ``--clip-grad 1.0``); the paper's v1 gives ``lambda_rel=1.05``
+    and ``beta=0.98``. AdaGC replaces the global clip: don't chain it with
+    ``clip_by_global_norm``.
+
+    **Zero gradients**: a tensor whose gradient is exactly zero on a warm-up
+    step (or on the first step it is seen) gets ``gamma_i = 0``; every later
+    gradient of it is then scaled to zero, for good. The official code does the
+    same and fxgrad follows it. It happens to parameters of a branch gated or
+    masked off on that step and, in ``scope="step"``, to an unused parameter
+    whose ``.grad`` was zero-filled (``zero_grad(set_to_none=False)``). Look
+    for zero ``gamma`` entries in ``backend.state_dict()`` after warm-up.
+
+    A step where any tensor's norm is non-finite (an overflow step a GradScaler
+    skips) leaves ``gamma`` and the step count alone; the non-finite values still
+    propagate to the gradients. The official code has no such guard: it counts
+    the step and may store a NaN, or a zero ``gamma`` for the finite tensors of
+    an overflow step in warm-up. With a GradScaler, norms and thresholds are in
+    unscaled units. State (``backend.state_dict()``): ``<i>.adagc/step`` and
+    ``<i>.adagc/gamma/<parameter>``, where ``-1`` means not seen yet.
+    Statistics: ``grad_norm/total`` and ``grad_norm/total_clipped`` (the
+    global norm before and after), ``adagc/clipped`` (how many tensors were
+    scaled down: all of them on a warm-up step whose global clip engaged).
+
+        >>> import fxgrad
+        >>> fxgrad.adagc(lambda_rel=1.05, beta=0.98, warmup=50)
+        adagc(lambda_abs=1.0, lambda_rel=1.05, beta=0.98, warmup=50, eps=1e-06)
+    """
+
+    name = "adagc"
+    reach = "group"  # the warm-up clips the global norm
+    per_layer = False
+
+    lambda_abs: float = 1.0
+    lambda_rel: float = 1.04
+    beta: float = 0.99
+    warmup: int = 100
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        beta = validate.real_number("beta", self.beta)
+        if not 0 <= beta < 1:
+            raise ValueError(f"beta must be in [0, 1), got {self.beta!r}")
+        self.set(lambda_abs=validate.positive("lambda_abs", self.lambda_abs),
+                 lambda_rel=validate.positive("lambda_rel", self.lambda_rel, allow_inf=False),
+                 beta=beta, warmup=validate.positive_int("warmup", self.warmup, minimum=0),
+                 eps=validate.positive("eps", self.eps, allow_inf=False))
+
+    def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
+        flat_grads = [g for group in grads for g in group]
+        # one norm per tensor, unscaled, as a float64 vector
+        sums = torch.stack([norm_math.replicated(norm_math.power_sum([g], 2.0)) for g in flat_grads])
+        norms = sums.to(torch.float64).sqrt()
+        if ctx.scale is not None:
+            norms = norms / ctx.scale
+        state = ctx.state(shared={"step": ((), 0.0)}, per_param={"gamma": -1.0})
+        step, gamma = state["step"], state["gamma"]
+        unset = gamma < 0
+
+        # Warm-up: a global clip to lambda_abs; gamma_i <- min of the clipped norms.
+        total = norms.square().sum().sqrt()
+        global_coef = torch.clamp_max(self.lambda_abs / (total + self.eps), 1.0)  # clip_grad_norm_'s
+        clipped_norms = norms * global_coef
+        warm_gamma = torch.where(unset, clipped_norms, torch.minimum(gamma, clipped_norms))
+
+        # After: each tensor against lambda_rel times its EMA; the EMA takes the clipped norm.
+        previous = torch.where(unset, norms, gamma)
+        threshold = self.lambda_rel * previous
+        spike = norms > threshold
+        coef_after = torch.where(spike, threshold / (norms + self.eps), torch.ones_like(norms))
+        ema = self.beta * previous + (1 - self.beta) * torch.where(spike, threshold, norms)
+
+        warming = step < self.warmup
+        coef = torch.where(warming, global_coef.expand_as(norms), coef_after)
+        ctx.save(state, finite=norms, step=step + 1, gamma=torch.where(warming, warm_gamma, ema))
+        ctx.emit("grad_norm/total", total)
+        ctx.emit("grad_norm/total_clipped", (norms * coef).square().sum().sqrt())
+        ctx.emit("adagc/clipped", (coef < 1).sum().to(torch.float64))
+        factors = iter(coef.unbind())
+        return [[norm_math.scaled([g], next(factors))[0] for g in group] for group in grads]

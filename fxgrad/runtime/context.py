@@ -98,17 +98,22 @@ class RouteContext:
         return self.graph.scale
 
     def state(self, shared: dict[str, tuple[Shape, float]] | None = None,
-              per_layer: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
-        """Load this route's state: ``shared`` entries with their shapes, and one
-        value per layer for each ``per_layer`` entry (a vector over ``layers``).
+              per_layer: dict[str, float] | None = None,
+              per_param: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+        """Load this route's state: ``shared`` entries with their shapes, one
+        value per layer for each ``per_layer`` entry (a vector over ``layers``),
+        and one value per parameter for each ``per_param`` entry (a vector over
+        the layers' ``params``, layer by layer).
 
         Returned tensors are float64. Initial values apply the first time.
         """
-        shared, per_layer = shared or {}, per_layer or {}
+        shared, per_layer, per_param = shared or {}, per_layer or {}, per_param or {}
         names = [layer.name for layer in self.layers]
+        params = [param for layer in self.layers for param in layer.params]
         frame = f"@frame{self.graph.frame}" if self.graph.frame else ""
         entries = [(f"{self.key}/{n}{frame}", shape, init) for n, (shape, init) in shared.items()]
         entries += [(f"{self.key}/{n}/{layer}", (), init) for n, init in per_layer.items() for layer in names]
+        entries += [(f"{self.key}/{n}/{param}", (), init) for n, init in per_param.items() for param in params]
         group = self.graph.store.group(self.key, entries, self.graph.device)
         buffer = torch.ops.fxgrad.load_state(group.name)
         values, offset = {}, 0
@@ -119,7 +124,10 @@ class RouteContext:
         for n in per_layer:
             values[n] = buffer[offset : offset + len(names)]
             offset += len(names)
-        self._groups[id(values)] = (group, list(shared) + list(per_layer))
+        for n in per_param:
+            values[n] = buffer[offset : offset + len(params)]
+            offset += len(params)
+        self._groups[id(values)] = (group, list(shared) + list(per_layer) + list(per_param))
         return values
 
     def save(self, state: dict[str, torch.Tensor], *, finite: torch.Tensor | None = None,
