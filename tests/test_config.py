@@ -80,7 +80,8 @@ def test_policy_from_file_via_environment(tmp_path, monkeypatch):
 def test_config_file_key(tmp_path):
     path = tmp_path / "policy.json"
     path.write_text(json.dumps({"transform": {"clip_by_value": {"clip_value": 0.1}}}))
-    assert repr(from_config({"config": str(path)})) == "fxgrad.backend(clip_by_value(clip_value=0.1), compiler='inductor')"
+    expected = "fxgrad.backend(clip_by_value(clip_value=0.1), compiler='inductor')"
+    assert repr(from_config({"config": str(path)})) == expected
 
 
 

@@ -60,8 +60,9 @@ def check_key(argument: str, key: Any, *, types: bool = True, patterns: bool = T
         return key
     if types and isinstance(key, type) and issubclass(key, nn.Module):
         return key
-    kinds = " or ".join(kind for kind, allowed in (("nn.Module subclasses", types), ("fnmatch pattern strings", patterns))
-                        if allowed)
+    kinds = " or ".join(
+        kind for kind, allowed in (("nn.Module subclasses", types), ("fnmatch pattern strings", patterns)) if allowed
+    )
     raise TypeError(f"{argument} must be {kinds}, got {key!r} ({type(key).__name__}){hint}")
 
 

@@ -9,8 +9,9 @@
     ...     "skip": ["default", "lm_head"],
     ...     "compiler": "aot_eager",
     ... })
-    >>> backend.transform
-    chain(by_type({LSTM: clip_by_norm(max_norm=0.5)}, default=clip_by_norm(max_norm=1.0)), clip_by_global_norm(max_norm=5.0))
+    >>> backend.transform  # doctest: +NORMALIZE_WHITESPACE
+    chain(by_type({LSTM: clip_by_norm(max_norm=0.5)}, default=clip_by_norm(max_norm=1.0)),
+          clip_by_global_norm(max_norm=5.0))
 
 Grammar:
 

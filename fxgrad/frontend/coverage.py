@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch.nn as nn
 
 from fxgrad import _compat
+from fxgrad.core import match
 from fxgrad.core.layers import (
     DEFAULT_SKIP,
     WHAT_IS_A_LAYER,
@@ -26,7 +27,6 @@ from fxgrad.core.layers import (
     SkipEntry,
     build_layers,
     model_rows,
-    skip_reason,
 )
 from fxgrad.core.rule import Route, Transform
 from fxgrad.frontend.graphs import GraphRegistry
@@ -109,7 +109,7 @@ def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model:
     layers = build_layers(trainable + frozen, (), skip)
     misses = transform.unmatched(layers) if transform is not None else []
     misses += [f"skip entry {entry!r} matches no layer ({WHAT_IS_A_LAYER})" for entry in skip
-               if entry not in DEFAULT_SKIP and not any(skip_reason(l.name, l.module_type, (entry,)) for l in layers)]
+               if entry not in DEFAULT_SKIP and not any(match.matches(entry, layer) for layer in layers)]
     return [f"fxgrad: in {type(model).__name__}, {miss}. It does nothing." for miss in misses]
 
 
@@ -122,7 +122,7 @@ def rnn_hint(layers: Sequence[Layer]) -> str:
     """Advice when uncaptured layers are RNNs that Dynamo skips by default."""
     if _compat.rnn_capture_enabled():
         return ""
-    if not any(l.module_type is not None and issubclass(l.module_type, nn.RNNBase) for l in layers):
+    if not any(layer.module_type is not None and issubclass(layer.module_type, nn.RNNBase) for layer in layers):
         return ""
     return (
         "\nDynamo does not capture nn.RNN/nn.LSTM/nn.GRU unless "

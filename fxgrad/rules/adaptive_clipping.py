@@ -72,7 +72,8 @@ class AutoClip(ScaleLeaf):
         blend = validate.real_number("blend", self.blend)
         if not 0 < blend <= 1:
             raise ValueError(f"blend must be in (0, 1], got {blend!r}")
-        history = validate.positive_int("history", self.history, BUFFER_MAX, "a buffer on the device, sorted every step")
+        history = validate.positive_int("history", self.history, BUFFER_MAX,
+                                        "a buffer on the device, sorted every step")
         self.set(percentile=percentile, history=history, blend=blend)
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:

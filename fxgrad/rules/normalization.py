@@ -261,7 +261,8 @@ class Sinkhorn(Leaf):
     iters: int = 5
 
     def __post_init__(self) -> None:
-        self.set(iters=validate.positive_int("iters", self.iters, 100, "each iteration is unrolled into the backward graph"))
+        unrolled = "each iteration is unrolled into the backward graph"
+        self.set(iters=validate.positive_int("iters", self.iters, 100, unrolled))
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
         return [[self._one(g, ctx.scale) for g in group] for group in grads]

@@ -26,7 +26,6 @@ from fxgrad.runtime.context import RouteContext
 from fxgrad.runtime.norm_math import Factor, NormStats, cast, group_norm, widen
 from fxgrad.runtime.state import flat
 
-
 Target = str | float | Callable[[float, Layer], float]
 Multipliers = tuple[tuple[match.Key, float], ...]
 

@@ -156,7 +156,8 @@ class RouteContext:
     def emit_per_layer(self, name: str, values: torch.Tensor) -> None:
         """One statistic per layer, ``backend.stats()[f"{name}/{layer}"]``."""
         layers = [layer.name for layer in self.layers]
-        self.graph.emit([f"{name}/{layer}" for layer in layers], values, self.index, [(name, layer) for layer in layers])
+        keys = [f"{name}/{layer}" for layer in layers]
+        self.graph.emit(keys, values, self.index, [(name, layer) for layer in layers])
 
     def after_policy(self, callback: Callable[[list], None]) -> None:
         """Call ``callback(stats)`` with the L2 :class:`~fxgrad.norms.NormStats` of this
