@@ -21,6 +21,7 @@ from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 from torch._guards import detect_fake_mode as _detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import (
@@ -42,6 +43,7 @@ __all__ = [
     "compile_id",
     "current_frame_scope",
     "detect_fake_mode",
+    "new_fake_mode",
     "fake_of",
     "new_fake_like",
     "new_fake_view",
@@ -51,6 +53,7 @@ __all__ = [
     "tensors_in",
     "generated_code",
     "inductor_compile",
+    "inductor_compile_program",
     "inductor_decompositions",
     "reset_dynamo",
     "source_chain",
@@ -68,6 +71,11 @@ def inductor_decompositions() -> dict:
     decomp for same op").
     """
     return select_decomp_table()
+
+
+def new_fake_mode() -> Any:
+    """A fresh FakeTensorMode, for a graph fxgrad builds itself (the step program)."""
+    return _FakeTensorMode()
 
 
 def detect_fake_mode(values: list) -> Any:
@@ -156,6 +164,15 @@ def inductor_compile(
         return _compile_fx.compile_fx_inner(graph, inputs, **kwargs)
 
     return _compile_fx.compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches)
+
+
+def inductor_compile_program(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+    """Compile a graph that is no model's forward (the step program) with Inductor.
+
+    Called with the inputs as positional arguments; mutations of inputs recorded
+    as ``aten.copy_`` write into the caller's tensors.
+    """
+    return _compile_fx.compile_fx(gm, example_inputs)
 
 
 def inductor_config_patches(mode: str | None, options: dict | None) -> dict:

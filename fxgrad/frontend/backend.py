@@ -35,6 +35,7 @@ from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_miss
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
+from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import StepScope, apply_to_grads
 from fxgrad.frontend.watch import ForwardWatch, track_wrapper
 from fxgrad.passes.capture import CapturedGraph, Root, capture
@@ -89,6 +90,7 @@ class Backend:
         in_graph = transform is not None and scope != "step"
         self._coverage = CoverageCheck(transform, self.skip, strict) if in_graph else None
         self._step = None  # runs the policy on .grad in step scope
+        self._programs = StepPrograms(compiler)  # ... as compiled programs, by gradient layout
         if transform is not None:
             self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler)
             if scope == "step":
@@ -259,7 +261,8 @@ class Backend:
                          if root.module() is not None]
 
     def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any) -> None:
-        apply_to_grads(self.transform, models, self.skip, self.store, scaler, self.registry.forward_order())
+        apply_to_grads(self.transform, models, self.skip, self.store, scaler, self.registry.forward_order(),
+                       self._programs)
 
     # ------------------------------------------------------------ state
 

@@ -1,8 +1,9 @@
-"""Apply a :class:`~fxgrad.plan.GraphPlan` to a backward graph.
+"""Record a policy into a graph: a :class:`~fxgrad.frontend.plan.GraphPlan` into a backward
+graph (graph scope), or routes into the step program (step scope).
 
-The plan's routes run once, as plain torch code on the gradients' fake
-values, under a :class:`~fxgrad.record.GraphRecorder` that appends each op to
-the graph. The recorded nodes are tagged with the route they belong to, so the
+The routes run once, as plain torch code on the gradients' fake values, under
+a :class:`~fxgrad.passes.record.GraphRecorder` that appends each op to the
+graph. The recorded nodes are tagged with the route they belong to, so the
 rewritten graph reads top to bottom in policy order::
 
     rewrite_backward(bw_gm, plan, passes.gradient_outputs(bw_gm, num_inputs))
@@ -16,6 +17,7 @@ import torch
 import torch.fx
 
 from fxgrad import _compat, passes
+from fxgrad.core.rule import Route
 from fxgrad.frontend.plan import GraphPlan
 from fxgrad.passes.record import GraphRecorder
 from fxgrad.runtime.executor import run_policy
@@ -36,20 +38,35 @@ def rewrite_backward(
     ``store`` holds the transforms' device state; ``scaler`` is the GradScaler
     whose scale the gradients carry, if any; ``params(names)`` returns the
     parameters with those qualified names (for transforms that read weights);
-    ``frame`` numbers the compiled frame (see :class:`~fxgrad.context.GraphContext`).
+    ``frame`` numbers the compiled frame (see :class:`~fxgrad.runtime.context.GraphContext`).
     """
     routes = [(i, route) for i, route in enumerate(plan.routes) if route.layers]
     if not routes:
         return
     signature = passes.output_signature(gm)
-    values = [node.meta["val"] for node in outputs if node is not None]
-    recorder = GraphRecorder(gm, _compat.detect_fake_mode(values), _compat.inductor_decompositions())
-    grads = {name: [recorder.bind(outputs[slot]) for slot in slots] for name, slots in plan.slots.items()}
-    with recorder.recording():
-        run_policy(routes, grads, store, values[0].device, scaler, params, frame,
-                   set_label=lambda label: setattr(recorder, "label", label))
+    nodes = {name: [outputs[slot] for slot in slots] for name, slots in plan.slots.items()}
+    new = record_policy(gm, routes, nodes, store, scaler, params, frame)
     passes.replace_gradient_outputs(
-        gm,
-        {slot: recorder.node(grad) for name, slots in plan.slots.items() for slot, grad in zip(slots, grads[name])},
+        gm, {slot: node for name, slots in plan.slots.items() for slot, node in zip(slots, new[name])}
     )
     passes.check_outputs(gm, signature)
+
+
+def record_policy(
+    gm: torch.fx.GraphModule,
+    routes: Sequence[tuple[int, Route]],
+    grads: dict[str, list[torch.fx.Node]],
+    store: StateStore,
+    scaler: Any = None,
+    params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
+    frame: int = 0,
+) -> dict[str, list[torch.fx.Node]]:
+    """Record ``routes`` over the gradient nodes ``grads`` (layer -> its gradients' nodes)
+    before ``gm``'s output; the nodes holding each layer's new gradients, in the same order."""
+    values = [node.meta["val"] for nodes in grads.values() for node in nodes]
+    recorder = GraphRecorder(gm, _compat.detect_fake_mode(values), _compat.inductor_decompositions())
+    tensors = {name: [recorder.bind(node) for node in nodes] for name, nodes in grads.items()}
+    with recorder.recording():
+        run_policy(routes, tensors, store, values[0].device, scaler, params, frame,
+                   set_label=lambda label: setattr(recorder, "label", label))
+    return {name: [recorder.node(tensor) for tensor in new] for name, new in tensors.items()}

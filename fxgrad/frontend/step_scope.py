@@ -42,6 +42,7 @@ from fxgrad.core.layers import (
     parameter_owners,
 )
 from fxgrad.core.rule import Route, Transform
+from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.runtime.executor import run_policy
 from fxgrad.runtime.state import StateStore
 
@@ -66,14 +67,16 @@ def apply_to_grads(
     store: StateStore,
     scaler: Any = None,
     order: Sequence[str] = (),
+    programs: StepPrograms | None = None,
 ) -> None:
     """Apply ``transform`` to the ``.grad`` of ``models``' parameters, in place.
 
     ``models`` pairs each model with its layer-name prefix; ``order`` is the
-    forward order of layers (for depth), named-module order when empty.
+    forward order of layers (for depth), named-module order when empty. With
+    ``programs`` the rules run as a compiled program where they can, else eagerly.
     """
     with_grad, routes = step_routes(transform, models, skip, order)
-    if not with_grad:
+    if not with_grad or (programs is not None and programs.run(routes, with_grad, store, scaler)):
         return
     params: dict[str, list[nn.Parameter]] = {}
     for owner in with_grad:
@@ -81,7 +84,8 @@ def apply_to_grads(
     grads = {layer: [p.grad for p in ps] for layer, ps in params.items()}
     by_name = {o.param: o.tensor for o in with_grad}
     with torch.no_grad():
-        run_policy(routes, grads, store, with_grad[0].tensor.grad.device, scaler, lambda names: [by_name[n] for n in names])
+        device = with_grad[0].tensor.grad.device
+        run_policy(routes, grads, store, device, scaler, lambda names: [by_name[n] for n in names])
         for layer, ps in params.items():
             for param, grad in zip(ps, grads[layer]):
                 if grad is not param.grad:

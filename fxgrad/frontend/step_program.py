@@ -1,0 +1,101 @@
+"""Step scope as one compiled program over every ``.grad``.
+
+The policy is recorded, as graph scope records it into a backward graph, into a
+graph whose inputs are the gradients and which writes each result back into
+its input (``aten.copy_``); Inductor compiles it. A program is built once per
+*layout* (the parameters with a gradient, their gradients' shapes, strides,
+dtypes and devices, and the routes over their layers) and reused: state,
+thresholds and the loss scale are device tensors that custom ops read and
+write, so nothing recompiles when they change, and nothing syncs::
+
+    programs = StepPrograms("inductor")
+    if not programs.run(routes, owners, store, scaler):
+        ...  # DTensor gradients, or a build that failed: run the rules eagerly
+
+With ``compiler="aot_eager"`` the recorded graph runs as plain FX code (what
+the tests exercise quickly); with ``"inductor"`` it is compiled.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from fxgrad import _compat
+from fxgrad.core.layers import Owner
+from fxgrad.core.rule import Route
+from fxgrad.frontend.rewrite import record_policy
+from fxgrad.runtime.state import StateStore
+
+
+class StepPrograms:
+    """The compiled step programs of one backend, by layout."""
+
+    def __init__(self, compiler: str) -> None:
+        self.compiler = compiler
+        self._programs: dict[tuple, Callable[..., Any]] = {}
+        self._broken: str | None = None  # why building failed; then every step runs eagerly
+
+    def run(self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore,
+            scaler: Any) -> bool:
+        """Apply ``routes`` to the ``.grad`` of the parameters of ``owners`` in place, grouped by
+        layer as the routes expect; ``False`` if it cannot (the caller then runs the rules eagerly)."""
+        grads = [o.tensor.grad for o in owners]
+        if self._broken is not None or any(type(g) is not torch.Tensor for g in grads):  # DTensor: eager
+            return False
+        key = _layout(routes, owners, scaler is not None)
+        program = self._programs.get(key)
+        if program is None:
+            try:
+                program = self._build(routes, owners, store, scaler)
+            except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
+                self._broken = f"{type(error).__name__}: {error}"
+                warnings.warn(f"fxgrad: the compiled step program could not be built ({self._broken}); "
+                              "scope='step' runs the policy eagerly, one op at a time", RuntimeWarning, stacklevel=4)
+                return False
+            self._programs[key] = program
+        with torch.no_grad():
+            program(*grads)
+        return True
+
+    def _build(self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore,
+               scaler: Any) -> Callable[..., Any]:
+        gm, inputs = _gradient_graph(owners)
+        weights = {o.param: weakref.ref(o.tensor) for o in owners}  # read at run time, by weight-reading rules
+        lookup = lambda names: [weights[name]() for name in names]  # noqa: E731
+        new = record_policy(gm, routes, inputs, store, scaler, lookup)
+        output = gm.graph.output_node()
+        with gm.graph.inserting_before(output):
+            for layer, nodes in inputs.items():
+                for node, result in zip(nodes, new[layer]):
+                    if result is not node:
+                        gm.graph.call_function(torch.ops.aten.copy_.default, (node, result))
+        gm.recompile()
+        if self.compiler == "inductor":
+            return _compat.inductor_compile_program(gm, [o.tensor.grad for o in owners])
+        return gm
+
+
+def _gradient_graph(owners: Sequence[Owner]) -> tuple[torch.fx.GraphModule, dict[str, list[torch.fx.Node]]]:
+    """A graph with one input per gradient (fake values like the real ones), in ``owners``
+    order, and no output; its inputs by layer."""
+    graph = torch.fx.Graph()
+    fake_mode = _compat.new_fake_mode()
+    inputs: dict[str, list[torch.fx.Node]] = {}
+    for i, owner in enumerate(owners):
+        node = graph.placeholder(f"grad_{i}")
+        node.meta["val"] = fake_mode.from_tensor(owner.tensor.grad)
+        inputs.setdefault(owner.layer, []).append(node)
+    graph.output(None)
+    return torch.fx.GraphModule(nn.Module(), graph), inputs
+
+
+def _layout(routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], scaled: bool) -> tuple:
+    grads = tuple((id(o.tensor), tuple(o.tensor.grad.shape), o.tensor.grad.stride(), o.tensor.grad.dtype,
+                   o.tensor.grad.device) for o in owners)
+    return tuple(routes), grads, scaled

@@ -1,0 +1,125 @@
+"""scope="step" runs the policy as one compiled program over every .grad, built once per layout."""
+
+import copy
+import dataclasses
+import warnings
+
+import models
+import pytest
+import torch
+import torch.nn as nn
+from parity import no_host_sync
+
+import fxgrad
+from fxgrad.core.rule import ScaleLeaf
+from fxgrad.frontend.step_program import StepPrograms
+
+POLICY = fxgrad.chain(
+    fxgrad.monitor(), fxgrad.rescale(), fxgrad.clip_by_norm(1e-2), fxgrad.zclip(warmup=3),
+    fxgrad.adaptive_grad_clip(0.01),
+)
+COMPILERS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)]
+
+
+def train(backend, model, steps, inputs):
+    """Per step: the gradients after ``backend.step()``, and the statistics."""
+    compiled = backend.compile(model)
+    grads, stats = [], []
+    for step in range(steps):
+        with no_host_sync() if step > 0 else warnings.catch_warnings():
+            models.loss_of(compiled(inputs(step))).backward()
+            backend.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        stats.append(backend.stats())
+        model.zero_grad()
+    return grads, stats
+
+
+def spiky(step):
+    torch.manual_seed(step)
+    return torch.randn(4, 16) * (30.0 if step == 4 else 1.0)
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """How many step programs were built."""
+    count = [0]
+    build = StepPrograms._build
+
+    def counted(self, *args):
+        count[0] += 1
+        return build(self, *args)
+
+    monkeypatch.setattr(StepPrograms, "_build", counted)
+    return count
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_the_program_equals_the_eager_rules_and_is_built_once(compiler, builds, monkeypatch):
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager_model = copy.deepcopy(model)
+    eager = fxgrad.backend(POLICY, compiler=compiler, scope="step")
+    monkeypatch.setattr(eager._programs, "run", lambda *args: False)  # the rules one op at a time
+    expected_grads, expected_stats = train(eager, eager_model, 8, spiky)
+    grads, stats = train(fxgrad.backend(POLICY, compiler=compiler, scope="step"), model, 8, spiky)
+    assert builds[0] == 1  # zclip's warm-up ending, EMAs and thresholds changing: no rebuild
+    for step, (got, want) in enumerate(zip(grads, expected_grads)):
+        changed = any(not torch.allclose(g, w) for g, w in zip(got, spiky_free_grads(eager_model, step)))
+        assert changed, "the policy left the gradients alone: this would not test anything"
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)
+    assert stats[-1].keys() == expected_stats[-1].keys()
+    for key, value in expected_stats[-1].items():
+        torch.testing.assert_close(stats[-1][key], value, rtol=1e-5, atol=1e-8)
+
+
+def spiky_free_grads(model, step):
+    """The gradients ``model`` gets at ``step`` without any policy."""
+    probe = copy.deepcopy(model)
+    models.loss_of(probe(spiky(step))).backward()
+    return [p.grad for p in probe.parameters()]
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x, use_b):
+        return self.head(self.b(x) if use_b else self.a(x))
+
+
+def test_one_program_per_layout(builds):
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    model = Branchy()
+    for step in range(6):
+        models.loss_of(model(torch.randn(2, 8), use_b=step % 2 == 1)).backward()
+        backend.step(model)
+        total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+        assert total == pytest.approx(1e-3, rel=1e-4)
+        model.zero_grad(set_to_none=True)
+    assert builds[0] == 2  # a's gradients, then b's: two layouts, each built once
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class HalveWithAConstant(ScaleLeaf):
+    """Halves every gradient through a tensor constant, which a recorded graph cannot hold."""
+
+    name = "halve_with_a_constant"
+
+    def factors(self, stats, layers, ctx):
+        return [torch.tensor(0.5, dtype=torch.float64)] * len(stats)
+
+
+def test_a_program_that_cannot_be_built_warns_once_and_runs_eagerly():
+    backend = fxgrad.backend(HalveWithAConstant(), compiler="aot_eager", scope="step")
+    model = nn.Linear(4, 4)
+    with pytest.warns(RuntimeWarning, match="could not be built") as caught:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            raw = [p.grad.clone() for p in model.parameters()]
+            backend.step(model)
+            assert all(torch.equal(p.grad, 0.5 * r) for p, r in zip(model.parameters(), raw))
+            model.zero_grad()
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
