@@ -29,9 +29,10 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import fxgrad  # noqa: E402
 from models import MODELS, loss_of  # noqa: E402
 from policies import POLICIES  # noqa: E402
+
+import fxgrad  # noqa: E402
 
 
 def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> None:

@@ -6,17 +6,22 @@ import torch
 import torch.nn as nn
 
 
-def gpt2(scale: float = 1.0):
-    """GPT-2 from transformers, random weights; returns (model, batch) and the loss function."""
+def gpt2_lm(layers: int, width: int, vocab: int, positions: int, heads: int = 4):
+    """A GPT-2 language model from transformers: random weights, no dropout. The benchmarks
+    and the examples (examples/common.py) build theirs here, each at its own size."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    layers = max(1, round(4 * scale))
     config = GPT2Config(
-        vocab_size=2048, n_positions=128, n_embd=128, n_layer=layers, n_head=4,
+        vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers, n_head=heads,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )
+    return _causal_lm(GPT2LMHeadModel(config))
+
+
+def gpt2(scale: float = 1.0):
+    """GPT-2 from transformers, random weights; returns (model, batch) and the loss function."""
     ids = torch.randint(0, 2048, (8, 64))
-    return _causal_lm(GPT2LMHeadModel(config)), (ids,), {"labels": ids}
+    return gpt2_lm(max(1, round(4 * scale)), width=128, vocab=2048, positions=128), (ids,), {"labels": ids}
 
 
 def _causal_lm(model):
@@ -40,6 +45,8 @@ class _Block(nn.Module):
 
 
 class ResNet(nn.Module):
+    """A small ResNet for 32x32 RGB images (the benchmarks' and examples/resnet_rescale.py's)."""
+
     def __init__(self, channels: int = 32, blocks: int = 4, classes: int = 10) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
@@ -66,14 +73,10 @@ def deep_mlp(scale: float = 1.0):
 def gpt2_124m(scale: float = 1.0):
     """GPT-2 small (124M parameters: 12 layers, d=768) at full size; ``scale`` < 1 shrinks
     depth and width (the CPU dry run of bench/gpu.sh)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     layers, width = max(1, round(12 * scale)), max(64, round(768 * scale) // 64 * 64)
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, n_positions=1024,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    length = 512 if scale >= 1.0 else 64
-    ids = torch.randint(0, config.vocab_size, (8, length))
-    return _causal_lm(GPT2LMHeadModel(config)), (ids,), {"labels": ids}
+    ids = torch.randint(0, 50257, (8, 512 if scale >= 1.0 else 64))
+    model = gpt2_lm(layers, width=width, vocab=50257, positions=1024, heads=width // 64)
+    return model, (ids,), {"labels": ids}
 
 
 MODELS = {"gpt2": gpt2, "resnet": resnet, "deep_mlp": deep_mlp, "gpt2_124m": gpt2_124m}

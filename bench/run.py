@@ -41,10 +41,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import fxgrad  # noqa: E402
-from fxgrad import _compat  # noqa: E402
 from models import MODELS, loss_of  # noqa: E402
 from policies import POLICIES, HookRescaled, layers_of  # noqa: E402
+
+import fxgrad  # noqa: E402
+from fxgrad import _compat  # noqa: E402
 
 LAUNCH = re.compile(r"^\s+(cpp_fused_\w+|triton_\w+(?:\.run)?|extern_kernels\.\w+)\(", re.MULTILINE)
 

@@ -20,17 +20,13 @@ sync in the step (the copy happens at logging time). Trains a small GPT-2
 
 import os
 
-import matplotlib
+import torch
+from common import HERE, gpt2, plt, save, sequences
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from fxgrad import backend_for
+from fxgrad.frontend.config import CONFIG_ENV, load
 
-from fxgrad.config import CONFIG_ENV, load  # noqa: E402
-from fxgrad.named import backend_for  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 POLICY = os.path.join(HERE, "hf_policy.json")
 
 
@@ -41,9 +37,7 @@ class Sequences(torch.utils.data.Dataset):
         return 4096
 
     def __getitem__(self, index: int) -> dict:
-        gen = torch.Generator().manual_seed(index)
-        start, stride = torch.randint(0, 128, (1,), generator=gen), torch.randint(1, 8, (1,), generator=gen)
-        ids = (start + stride * torch.arange(32)) % 128
+        ids = sequences(index, size=1)[0]
         return {"input_ids": ids, "labels": ids}
 
 
@@ -65,9 +59,7 @@ class FxgradStats(TrainerCallback):
 def main() -> None:
     os.environ[CONFIG_ENV] = POLICY
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config)
+    model = gpt2(layers=2)
     args = TrainingArguments(
         output_dir=os.path.join(HERE, ".hf_trainer_out"),
         max_steps=150,
@@ -97,11 +89,7 @@ def main() -> None:
     bottom.plot(steps, [s["grad_norm/total_clipped"] for _, _, s in stats.rows], label="after")
     bottom.set_xlabel("step")
     bottom.set_yscale("log")
-    bottom.legend()
-    fig.tight_layout()
-    path = os.path.join(HERE, "hf_trainer.png")
-    fig.savefig(path, dpi=110)
-    print(f"saved {path}")
+    save(fig, "hf_trainer.png")
 
 
 if __name__ == "__main__":

@@ -20,17 +20,12 @@ not clipping. Saves ``examples/lstm_clipping.png``.
 
 import copy
 import math
-import os
 
-import matplotlib
+import torch
+import torch.nn as nn
+from common import loss_figure, save, tail, train
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import fxgrad  # noqa: E402
+import fxgrad
 
 STEPS, LR, LENGTH, TARGET_SCALE = 200, 0.5, 50, 10.0
 
@@ -58,19 +53,14 @@ def batch(step: int, size: int = 16):
     return torch.cat([values, marks], -1), (values * marks).sum(dim=(1, 2)) * TARGET_SCALE
 
 
-def train(name, model, compiled):
+def mse(compiled, step):
+    x, y = batch(step)
+    return nn.functional.mse_loss(compiled(x), y)
+
+
+def run(name, model, compiled):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for step in tqdm(range(STEPS), desc=name):
-        x, y = batch(step)
-        loss = nn.functional.mse_loss(compiled(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            break
-    return losses
+    return train(name, compiled, optimizer, mse, STEPS, stop_if_nonfinite=True)
 
 
 def main() -> None:
@@ -79,33 +69,29 @@ def main() -> None:
     torch.manual_seed(0)
     base = AddingLSTM()
     plain = copy.deepcopy(base)
-    unclipped = train("no clipping", plain, torch.compile(plain, backend=compiler))
+    unclipped = run("no clipping", plain, torch.compile(plain, backend=compiler))
 
     policy = fxgrad.by_type({nn.LSTM: fxgrad.clip_by_norm(0.5)}, default=fxgrad.clip_by_norm(1.0))
     clipped_model = copy.deepcopy(base)
     backend = fxgrad.backend(policy, compiler=compiler)
-    clipped = train("fxgrad per-layer clip", clipped_model, backend.compile(clipped_model))
+    clipped = run("fxgrad per-layer clip", clipped_model, backend.compile(clipped_model))
 
     chance = 2 / 12 * TARGET_SCALE**2  # variance of the target: predicting the mean
-    print(f"no clipping: {'non-finite loss at step ' + str(len(unclipped) - 1) if not math.isfinite(unclipped[-1]) else f'final loss {unclipped[-1]:.1f}'}")
-    print(f"fxgrad per-layer clip: loss {clipped[0]:.1f} -> {sum(clipped[-20:]) / 20:.1f} "
+    if math.isfinite(unclipped[-1]):
+        print(f"no clipping: final loss {unclipped[-1]:.1f}")
+    else:
+        print(f"no clipping: non-finite loss at step {len(unclipped) - 1}")
+    print(f"fxgrad per-layer clip: loss {clipped[0]:.1f} -> {tail(clipped):.1f} "
           f"(mean of the last 20 steps; predicting the mean scores {chance:.1f})")
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot([v if math.isfinite(v) else float("nan") for v in unclipped], label="no clipping")
+    fig, ax = loss_figure({
+        "no clipping": [v if math.isfinite(v) else float("nan") for v in unclipped],
+        "fxgrad: LSTM clip 0.5, others 1.0": clipped,
+    }, f"3-layer LSTM, adding problem (T={LENGTH}), SGD lr {LR}, same seed and data", ylabel="training loss (MSE)")
     if not math.isfinite(unclipped[-1]):
         ax.axvline(len(unclipped) - 1, color="C0", linestyle=":", label="no clipping: loss became non-finite")
-    ax.plot(clipped, label="fxgrad: LSTM clip 0.5, others 1.0")
     ax.axhline(chance, color="gray", linestyle="--", label="predicting the mean")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (MSE)")
-    ax.set_title(f"3-layer LSTM, adding problem (T={LENGTH}), SGD lr {LR}, same seed and data")
-    ax.legend()
-    fig.tight_layout()
-    path = os.path.join(os.path.dirname(__file__), "lstm_clipping.png")
-    fig.savefig(path, dpi=110)
-    print(f"saved {path}")
+    save(fig, "lstm_clipping.png")
 
 
 if __name__ == "__main__":

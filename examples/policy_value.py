@@ -16,17 +16,12 @@ result is printed as measured. Saves ``examples/policy_value.png``.
 """
 
 import copy
-import os
 
-import matplotlib
+import torch
+import torch.nn as nn
+from common import plt, save, tail, train
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import fxgrad  # noqa: E402
+import fxgrad
 
 STEPS, LR = 300, 3e-3
 
@@ -55,35 +50,27 @@ def batch(step: int, size: int = 128):
     return state, (state @ W_ACTION).argmax(-1), torch.sin(state @ W_VALUE) * 3
 
 
-def train(name, model, compiled):
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    curves = {"policy": [], "value": []}
-    for step in tqdm(range(STEPS), desc=name):
-        state, action, value = batch(step)
-        logits, predicted = compiled(state)
-        policy_loss = nn.functional.cross_entropy(logits, action)
-        value_loss = nn.functional.mse_loss(predicted, value)
-        (policy_loss + value_loss).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        curves["policy"].append(policy_loss.item())
-        curves["value"].append(value_loss.item())
-    return curves
+def losses(compiled, step):
+    state, action, value = batch(step)
+    logits, predicted = compiled(state)
+    return {"policy": nn.functional.cross_entropy(logits, action),
+            "value": nn.functional.mse_loss(predicted, value)}
+
+
+def run(name, model, compiled):
+    return train(name, compiled, torch.optim.Adam(model.parameters(), lr=LR), losses, STEPS)
 
 
 def main() -> None:
     torch.manual_seed(0)
     base = ActorCritic()
     plain = copy.deepcopy(base)
-    baseline = train("baseline", plain, torch.compile(plain))
+    baseline = run("baseline", plain, torch.compile(plain))
     policy = fxgrad.by_name({"policy.*": fxgrad.rescale(alpha=0.3), "value.*": fxgrad.rescale(alpha=0.7)})
     routed_model = copy.deepcopy(base)
     print(fxgrad.explain(copy.deepcopy(base), batch(0)[0],
                          backend=fxgrad.backend(policy, compiler="aot_eager")).table())
-    routed = train("routed rescale", routed_model, fxgrad.backend(policy).compile(routed_model))
-
-    def tail(values):
-        return sum(values[-20:]) / 20
+    routed = run("routed rescale", routed_model, fxgrad.backend(policy).compile(routed_model))
 
     for head in ("policy", "value"):
         print(f"{head} loss (mean of the last 20 steps): baseline {tail(baseline[head]):.3f}, "
@@ -96,12 +83,8 @@ def main() -> None:
         ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_title(f"{head} head loss")
-        ax.legend()
     fig.suptitle("by_name routing: different rescale alphas per sub-network (same seed and data)")
-    fig.tight_layout()
-    path = os.path.join(os.path.dirname(__file__), "policy_value.png")
-    fig.savefig(path, dpi=110)
-    print(f"saved {path}")
+    save(fig, "policy_value.png")
 
 
 if __name__ == "__main__":
