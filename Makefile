@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fxgrad-installed
 
-.PHONY: setup demo examples test test-fast bench clean
+.PHONY: setup demo examples lint test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -25,7 +25,11 @@ examples: setup
 		$(PY) examples/$$example.py || exit 1; \
 	done
 
-test: setup
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
 test-fast: setup

@@ -64,7 +64,7 @@ def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> Non
         step()
         variants[name] = (step, [])
     for r in range(options.repeats):
-        names = list(variants)[r % 3:] + list(variants)[: r % 3]
+        names = list(variants)[r % 3 :] + list(variants)[: r % 3]
         for name in names:
             dist.barrier()
             start = time.perf_counter()

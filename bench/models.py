@@ -12,8 +12,16 @@ def gpt2_lm(layers: int, width: int, vocab: int, positions: int, heads: int = 4)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers, n_head=heads,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=width,
+        n_layer=layers,
+        n_head=heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return _causal_lm(GPT2LMHeadModel(config))
 

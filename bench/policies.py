@@ -18,8 +18,9 @@ NORM_LAYERS = (nn.LayerNorm, nn.BatchNorm2d)
 
 def layer_modules(model: nn.Module) -> list[nn.Module]:
     """The modules that hold parameters themselves, norm layers excepted."""
-    return [m for m in model.modules()
-            if not isinstance(m, NORM_LAYERS) and any(True for _ in m.parameters(recurse=False))]
+    return [
+        m for m in model.modules() if not isinstance(m, NORM_LAYERS) and any(True for _ in m.parameters(recurse=False))
+    ]
 
 
 def layers_of(model: nn.Module) -> list[list[torch.Tensor]]:
@@ -44,8 +45,9 @@ def eager_per_layer_clip(model: nn.Module, layers) -> None:
 
 
 def eager_rescale(model: nn.Module, layers, alpha: float = 0.5) -> None:
-    norms = torch.stack([torch.linalg.vector_norm(torch.stack(
-        [torch.linalg.vector_norm(p.grad) for p in params])) for params in layers])
+    norms = torch.stack(
+        [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])) for params in layers]
+    )
     factors = (norms.mean() / (norms + 1e-7)) ** alpha
     for params, factor in zip(layers, factors):
         torch._foreach_mul_([p.grad for p in params], factor)
@@ -76,8 +78,9 @@ class HookRescaled(nn.Module):
         return self.model(*args, **kwargs)
 
     def _rescale(self, module: nn.Module, grad_input, grad_output):
-        return tuple(None if g is None else g * (1.0 / (torch.linalg.vector_norm(g) + 1e-7)) ** self.alpha
-                     for g in grad_input)
+        return tuple(
+            None if g is None else g * (1.0 / (torch.linalg.vector_norm(g) + 1e-7)) ** self.alpha for g in grad_input
+        )
 
 
 class EagerMonitor:
@@ -87,8 +90,9 @@ class EagerMonitor:
         self.ema, self.spike_z, self.mean, self.var = ema, spike_z, None, None
 
     def __call__(self, model: nn.Module, layers) -> None:
-        norms = torch.stack([torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
-                             for params in layers])
+        norms = torch.stack(
+            [torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params]))) for params in layers]
+        )
         if self.mean is None:
             self.mean, self.var = norms, torch.zeros_like(norms)
         self.spikes = (norms - self.mean) / (self.var.sqrt() + 1e-12) > self.spike_z
@@ -102,6 +106,7 @@ def eager_full(monitor: EagerMonitor):
         monitor(model, layers)
         eager_rescale(model, layers)
         eager_per_layer_clip(model, layers)
+
     return full
 
 

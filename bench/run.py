@@ -110,8 +110,10 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
         return torch.compile(m) if compiler == "inductor" else torch.compile(m, backend="aot_eager")
 
     copy_of = lambda: copy.deepcopy(model)  # noqa: E731
-    variants = [Variant("compiled", (m := copy_of()), compiled(m), no_policy, inputs),
-                Variant("compiled again", (m := copy_of()), compiled(m), no_policy, inputs)]
+    variants = [
+        Variant("compiled", (m := copy_of()), compiled(m), no_policy, inputs),
+        Variant("compiled again", (m := copy_of()), compiled(m), no_policy, inputs),
+    ]
     for policy in policies:
         transform, make_eager = POLICIES[policy]
         eager = make_eager()
@@ -122,8 +124,16 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
         variants.append(Variant(f"eager {policy}", m, compiled(m), eager, inputs))
     if "rescale" in policies:
         hooked = HookRescaled(copy_of())
-        variants.append(Variant("hooks rescale", hooked.model, compiled(hooked), no_policy, inputs,
-                                lambda: under_compiled_autograd(compiler)))
+        variants.append(
+            Variant(
+                "hooks rescale",
+                hooked.model,
+                compiled(hooked),
+                no_policy,
+                inputs,
+                lambda: under_compiled_autograd(compiler),
+            )
+        )
     return variants
 
 
@@ -163,18 +173,31 @@ def report_rows(model_name, policies, variants, first, compile_ratios):
     for policy in policies:
         fx, eager = by_name[f"fxgrad {policy}"], by_name[f"eager {policy}"]
         cold = compile_ratios.get(policy)
-        rows.append((
-            model_name, policy,
-            f"{paired_ratio(fx, base):.3f}", f"{paired_ratio(eager, base):.3f}", f"{paired_ratio(fx, eager):.3f}",
-            f"{first[fx.name][1] - first['compiled'][1]:+d}",
-            "-" if cold is None else f"{cold:.2f}",
-            f"{paired_ratio(by_name['hooks rescale'], base):.3f}" if policy == "rescale" else "-",
-        ))
+        rows.append(
+            (
+                model_name,
+                policy,
+                f"{paired_ratio(fx, base):.3f}",
+                f"{paired_ratio(eager, base):.3f}",
+                f"{paired_ratio(fx, eager):.3f}",
+                f"{first[fx.name][1] - first['compiled'][1]:+d}",
+                "-" if cold is None else f"{cold:.2f}",
+                f"{paired_ratio(by_name['hooks rescale'], base):.3f}" if policy == "rescale" else "-",
+            )
+        )
     return rows, statistics.median(base.times), paired_ratio(by_name["compiled again"], base)
 
 
-HEADER = ("model", "policy", "fxgrad / compiled", "eager / compiled", "fxgrad / eager",
-          "extra kernels", "cold compile fxgrad / compiled", "module hooks / compiled")
+HEADER = (
+    "model",
+    "policy",
+    "fxgrad / compiled",
+    "eager / compiled",
+    "fxgrad / eager",
+    "extra kernels",
+    "cold compile fxgrad / compiled",
+    "module hooks / compiled",
+)
 
 
 def markdown(rows) -> str:
@@ -183,15 +206,29 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def first_step_seconds(model_name: str, policy: str | None, scale: float, compiler: str, device: str,
-                       dtype: str) -> float:
+def first_step_seconds(
+    model_name: str, policy: str | None, scale: float, compiler: str, device: str, dtype: str
+) -> float:
     """Compile and run one step in a fresh process with empty Inductor caches."""
     import subprocess
 
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-        command = [sys.executable, __file__, "--first-step", model_name, policy or "none",
-                   "--compiler", compiler, "--scale", str(scale), "--device", device, "--dtype", dtype]
+        command = [
+            sys.executable,
+            __file__,
+            "--first-step",
+            model_name,
+            policy or "none",
+            "--compiler",
+            compiler,
+            "--scale",
+            str(scale),
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+        ]
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -237,28 +274,42 @@ def pass_scaling(sizes, policies=PASS_POLICIES, samples=3) -> list[str]:
                 backend.compile(model)(torch.randn(2, 8)).sum().backward()
             cells.append(f"{statistics.median(spent):.3f} s")
         lines.append(f"| {layers} | {2 * layers} | " + " | ".join(cells) + " |")
-    return ["| layers | gradients | " + " | ".join(policies) + " |",
-            "|---|---|" + "---|" * len(policies)] + lines
+    return ["| layers | gradients | " + " | ".join(policies) + " |", "|---|---|" + "---|" * len(policies)] + lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="gpt2,resnet,deep_mlp",
-                        help=f"some of {','.join(MODELS)} (gpt2_124m is for bench/gpu.sh)")
+    parser.add_argument(
+        "--models", default="gpt2,resnet,deep_mlp", help=f"some of {','.join(MODELS)} (gpt2_124m is for bench/gpu.sh)"
+    )
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager"])
     parser.add_argument("--quick", action="store_true", help="small models, 2 repeats of 2 steps")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu.md"),
-                        help="Markdown file to write, or - for stdout only")
-    parser.add_argument("--compile-policies", default="global_clip,full",
-                        help="policies whose cold compile time is measured (fresh process each)")
-    parser.add_argument("--compile-samples", type=int, default=3,
-                        help="fresh processes per cold compile time (interleaved with the baseline's)")
+    parser.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(__file__), "results", "cpu.md"),
+        help="Markdown file to write, or - for stdout only",
+    )
+    parser.add_argument(
+        "--compile-policies",
+        default="global_clip,full",
+        help="policies whose cold compile time is measured (fresh process each)",
+    )
+    parser.add_argument(
+        "--compile-samples",
+        type=int,
+        default=3,
+        help="fresh processes per cold compile time (interleaved with the baseline's)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="autocast dtype for the forward (parameters stay float32)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="autocast dtype for the forward (parameters stay float32)",
+    )
     parser.add_argument("--no-pass-scaling", action="store_true", help="skip the pass-time measurement")
     parser.add_argument("--first-step", nargs=2, metavar=("MODEL", "POLICY"), help=argparse.SUPPRESS)
     parser.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)
@@ -284,48 +335,67 @@ def main() -> None:
     rows, notes = [], []
     for model_name in filter(None, options.models.split(",")):  # --models "": pass time only
         _compat.reset_dynamo()
-        cold = cold_compile(model_name, [p for p in options.compile_policies.split(",") if p in policies],
-                            options.compile_samples, scale, options.compiler, options.device, options.dtype)
+        cold = cold_compile(
+            model_name,
+            [p for p in options.compile_policies.split(",") if p in policies],
+            options.compile_samples,
+            scale,
+            options.compiler,
+            options.device,
+            options.dtype,
+        )
         variants = build_variants(model_name, policies, scale, options.compiler, options.device)
         first = measure(variants, repeats, steps)
         model_rows, base, control = report_rows(model_name, policies, variants, first, cold)
         rows += model_rows
-        notes.append(f"- {model_name}: compiled step {base * 1e3:.1f} ms; a second copy of it / compiled "
-                     f"{control:.3f} (the noise floor); cold first step (compile + run) "
-                     f"{cold[None]:.1f} s without a policy")
+        notes.append(
+            f"- {model_name}: compiled step {base * 1e3:.1f} ms; a second copy of it / compiled "
+            f"{control:.3f} (the noise floor); cold first step (compile + run) "
+            f"{cold[None]:.1f} s without a policy"
+        )
         print(markdown(model_rows), flush=True)
 
     command = "python bench/run.py " + shlex.join(sys.argv[1:])
     gpu = torch.cuda.get_device_name() if options.device == "cuda" else None
-    text = "\n".join([
-        f"# fxgrad benchmark ({'GPU' if gpu else 'CPU'})",
-        "",
-        f"- date: {datetime.date.today()}",
-        f"- machine: {gpu or platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, autocast {options.dtype}",
-        f"- command: `{command.strip()}`",
-        *([
-            f"- method: variants interleaved in one process (order shuffled each repeat), {repeats} repeats "
-            f"x {steps} steps; each ratio is the median over repeats of the two variants' times in the "
-            "same repeat; warm-up and compilation excluded",
-            "- compile: the first step (compile + run) in a fresh process with empty Inductor caches, "
-            f"fxgrad / plain `torch.compile`, median over {options.compile_samples} rounds of both",
-            "- ratios < 1 mean faster; `extra kernels` counts kernel launches fxgrad adds "
-            "to the compiled backward (negative: Inductor fused more)",
-            "- `module hooks / compiled` (rescale rows): the rescaling article's `register_full_backward_hook` "
-            "per layer, scaling the gradient flowing into each layer by `(1 / ||g||)^0.5`, run under "
-            "compiled autograd as `torch.compile` requires (`bench/policies.py`, `HookRescaled`)",
-        ] if rows else []),
-        *(["", markdown(rows), "", "Baselines:", *notes] if rows else []),
-        "",
-        *([] if options.no_pass_scaling else [
-            "Pass time (fxgrad's rewrite alone, median of 3 compiles, MLP of Linear(8, 8); `full` is "
-            "monitor + rescale + per-layer clip):",
+    text = "\n".join(
+        [
+            f"# fxgrad benchmark ({'GPU' if gpu else 'CPU'})",
             "",
-            *pass_scaling((10, 100) if options.quick else (10, 100, 1000)),
-        ]),
-        "",
-    ])
+            f"- date: {datetime.date.today()}",
+            f"- machine: {gpu or platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, autocast {options.dtype}",
+            f"- command: `{command.strip()}`",
+            *(
+                [
+                    f"- method: variants interleaved in one process (order shuffled each repeat), {repeats} repeats "
+                    f"x {steps} steps; each ratio is the median over repeats of the two variants' times in the "
+                    "same repeat; warm-up and compilation excluded",
+                    "- compile: the first step (compile + run) in a fresh process with empty Inductor caches, "
+                    f"fxgrad / plain `torch.compile`, median over {options.compile_samples} rounds of both",
+                    "- ratios < 1 mean faster; `extra kernels` counts kernel launches fxgrad adds "
+                    "to the compiled backward (negative: Inductor fused more)",
+                    "- `module hooks / compiled` (rescale rows): the rescaling article's `register_full_backward_hook` "
+                    "per layer, scaling the gradient flowing into each layer by `(1 / ||g||)^0.5`, run under "
+                    "compiled autograd as `torch.compile` requires (`bench/policies.py`, `HookRescaled`)",
+                ]
+                if rows
+                else []
+            ),
+            *(["", markdown(rows), "", "Baselines:", *notes] if rows else []),
+            "",
+            *(
+                []
+                if options.no_pass_scaling
+                else [
+                    "Pass time (fxgrad's rewrite alone, median of 3 compiles, MLP of Linear(8, 8); `full` is "
+                    "monitor + rescale + per-layer clip):",
+                    "",
+                    *pass_scaling((10, 100) if options.quick else (10, 100, 1000)),
+                ]
+            ),
+            "",
+        ]
+    )
     print(text)
     if options.out != "-":
         with open(options.out, "w") as file:

@@ -79,8 +79,10 @@ def main() -> None:
     steps = [step for step, _, _ in stats.rows]
     print(f"policy: {backend_for(load(POLICY)).transform!r}")
     last = stats.rows[-1]
-    print(f"step {last[0]}: loss {last[1]:.3f}, grad norm {last[2]['grad_norm/total']:.3f} -> "
-          f"{last[2]['grad_norm/total_clipped']:.3f}")
+    print(
+        f"step {last[0]}: loss {last[1]:.3f}, grad norm {last[2]['grad_norm/total']:.3f} -> "
+        f"{last[2]['grad_norm/total_clipped']:.3f}"
+    )
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     top.plot(steps, [loss for _, loss, _ in stats.rows])
     top.set_ylabel("training loss")

@@ -81,13 +81,19 @@ def main() -> None:
         print(f"no clipping: final loss {unclipped[-1]:.1f}")
     else:
         print(f"no clipping: non-finite loss at step {len(unclipped) - 1}")
-    print(f"fxgrad per-layer clip: loss {clipped[0]:.1f} -> {tail(clipped):.1f} "
-          f"(mean of the last 20 steps; predicting the mean scores {chance:.1f})")
+    print(
+        f"fxgrad per-layer clip: loss {clipped[0]:.1f} -> {tail(clipped):.1f} "
+        f"(mean of the last 20 steps; predicting the mean scores {chance:.1f})"
+    )
 
-    fig, ax = loss_figure({
-        "no clipping": [v if math.isfinite(v) else float("nan") for v in unclipped],
-        "fxgrad: LSTM clip 0.5, others 1.0": clipped,
-    }, f"3-layer LSTM, adding problem (T={LENGTH}), SGD lr {LR}, same seed and data", ylabel="training loss (MSE)")
+    fig, ax = loss_figure(
+        {
+            "no clipping": [v if math.isfinite(v) else float("nan") for v in unclipped],
+            "fxgrad: LSTM clip 0.5, others 1.0": clipped,
+        },
+        f"3-layer LSTM, adding problem (T={LENGTH}), SGD lr {LR}, same seed and data",
+        ylabel="training loss (MSE)",
+    )
     if not math.isfinite(unclipped[-1]):
         ax.axvline(len(unclipped) - 1, color="C0", linestyle=":", label="no clipping: loss became non-finite")
     ax.axhline(chance, color="gray", linestyle="--", label="predicting the mean")

@@ -53,8 +53,7 @@ def batch(step: int, size: int = 128):
 def losses(compiled, step):
     state, action, value = batch(step)
     logits, predicted = compiled(state)
-    return {"policy": nn.functional.cross_entropy(logits, action),
-            "value": nn.functional.mse_loss(predicted, value)}
+    return {"policy": nn.functional.cross_entropy(logits, action), "value": nn.functional.mse_loss(predicted, value)}
 
 
 def run(name, model, compiled):
@@ -68,13 +67,16 @@ def main() -> None:
     baseline = run("baseline", plain, torch.compile(plain))
     policy = fxgrad.by_name({"policy.*": fxgrad.rescale(alpha=0.3), "value.*": fxgrad.rescale(alpha=0.7)})
     routed_model = copy.deepcopy(base)
-    print(fxgrad.explain(copy.deepcopy(base), batch(0)[0],
-                         backend=fxgrad.backend(policy, compiler="aot_eager")).table())
+    print(
+        fxgrad.explain(copy.deepcopy(base), batch(0)[0], backend=fxgrad.backend(policy, compiler="aot_eager")).table()
+    )
     routed = run("routed rescale", routed_model, fxgrad.backend(policy).compile(routed_model))
 
     for head in ("policy", "value"):
-        print(f"{head} loss (mean of the last 20 steps): baseline {tail(baseline[head]):.3f}, "
-              f"routed rescale {tail(routed[head]):.3f}")
+        print(
+            f"{head} loss (mean of the last 20 steps): baseline {tail(baseline[head]):.3f}, "
+            f"routed rescale {tail(routed[head]):.3f}"
+        )
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, head in zip(axes, ("policy", "value")):

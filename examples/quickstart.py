@@ -18,8 +18,12 @@ import fxgrad
 def make_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(32, 128), nn.LayerNorm(128), nn.GELU(),
-        nn.Linear(128, 128), nn.LayerNorm(128), nn.GELU(),
+        nn.Linear(32, 128),
+        nn.LayerNorm(128),
+        nn.GELU(),
+        nn.Linear(128, 128),
+        nn.LayerNorm(128),
+        nn.GELU(),
         nn.Linear(128, 1),
     )
 
@@ -50,8 +54,10 @@ def main() -> None:
     compiled = backend.compile(model)
     nn.functional.mse_loss(compiled(x[:64]), y[:64]).backward()
     eager_reference_step(reference, x[:64], y[:64])
-    worst = max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
-                for p, q in zip(model.parameters(), reference.parameters()))
+    worst = max(
+        ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+        for p, q in zip(model.parameters(), reference.parameters())
+    )
     print(f"\nfirst step vs eager reference: max relative difference {worst:.1e}")
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

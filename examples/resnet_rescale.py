@@ -63,12 +63,16 @@ def main() -> None:
 
     for name, losses in (("baseline", baseline), ("rescale + stem x3", rescaled)):
         reached = steps_to(losses, TARGET_LOSS)
-        print(f"{name}: loss {TARGET_LOSS} (10-step mean) reached at step "
-              f"{reached if reached is not None else f'- (not within {STEPS})'}; "
-              f"final 10-step mean {tail(losses, 10):.3f}")
+        print(
+            f"{name}: loss {TARGET_LOSS} (10-step mean) reached at step "
+            f"{reached if reached is not None else f'- (not within {STEPS})'}; "
+            f"final 10-step mean {tail(losses, 10):.3f}"
+        )
 
-    fig, ax = loss_figure({"baseline": baseline, "fxgrad.rescale(alpha=0.5, multipliers={'stem': 3.0})": rescaled},
-                          "ResNet (4 blocks) on synthetic CIFAR-like data, same seed and data")
+    fig, ax = loss_figure(
+        {"baseline": baseline, "fxgrad.rescale(alpha=0.5, multipliers={'stem': 3.0})": rescaled},
+        "ResNet (4 blocks) on synthetic CIFAR-like data, same seed and data",
+    )
     ax.axhline(TARGET_LOSS, color="gray", linestyle="--", label=f"target loss {TARGET_LOSS}")
     save(fig, "resnet_rescale.png")
 

@@ -22,8 +22,12 @@ STEPS, LR = 300, 3e-3
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values()
-               for v in s.values() if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 def next_token_loss(compiled, step):
@@ -50,9 +54,13 @@ def main() -> None:
     print(f"optimizer state: AdamW {state_bytes(adam) / 2**20:.2f} MiB, SinkGD {state_bytes(sgd) / 2**20:.2f} MiB")
     print(f"mean loss over the last 20 steps: AdamW {tail(adam_losses):.3f}, SinkGD {tail(sink_losses):.3f}")
 
-    fig, _ = loss_figure({f"AdamW (state {state_bytes(adam) / 2**20:.2f} MiB)": adam_losses,
-                           "SGD + fxgrad.sinkhorn (state 0 MiB)": sink_losses},
-                          f"GPT-2 ({params:,} parameters), same seed and data, lr {LR}")
+    fig, _ = loss_figure(
+        {
+            f"AdamW (state {state_bytes(adam) / 2**20:.2f} MiB)": adam_losses,
+            "SGD + fxgrad.sinkhorn (state 0 MiB)": sink_losses,
+        },
+        f"GPT-2 ({params:,} parameters), same seed and data, lr {LR}",
+    )
     save(fig, "sinkgd.png")
 
 

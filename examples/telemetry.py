@@ -54,8 +54,10 @@ def main() -> None:
     train("training", compiled, optimizer, next_token_loss, STEPS, on_step=log)
 
     last = logged[-1][1]
-    print(f"final loss {last['loss'].item():.3f}; total grad norm {last['grad_norm/total'].item():.3f} "
-          f"-> {last['grad_norm/total_clipped'].item():.3f} after the policy")
+    print(
+        f"final loss {last['loss'].item():.3f}; total grad norm {last['grad_norm/total'].item():.3f} "
+        f"-> {last['grad_norm/total_clipped'].item():.3f} after the policy"
+    )
     spikes = sum(v.item() for _, s in logged for k, v in s.items() if k.startswith("spike/"))
     print(f"spike flags raised in the logged steps: {int(spikes)}")
     plot(logged)
@@ -63,11 +65,10 @@ def main() -> None:
 
 def plot(logged) -> None:
     steps = [step for step, _ in logged]
-    layers = [k[len("grad_norm/"):] for k in logged[0][1] if k.startswith("grad_norm/") and "total" not in k]
+    layers = [k[len("grad_norm/") :] for k in logged[0][1] if k.startswith("grad_norm/") and "total" not in k]
     heat = [[math.log10(max(s[f"grad_norm/{layer}"].item(), 1e-12)) for _, s in logged] for layer in layers]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 9), gridspec_kw={"height_ratios": [3, 1]})
-    image = top.imshow(heat, aspect="auto", cmap="viridis",
-                       extent=(steps[0], steps[-1], len(layers) - 0.5, -0.5))
+    image = top.imshow(heat, aspect="auto", cmap="viridis", extent=(steps[0], steps[-1], len(layers) - 0.5, -0.5))
     top.set_yticks(range(len(layers)), layers, fontsize=6)
     top.set_title("per-layer gradient norm (log10) before the policy, from backend.stats()")
     fig.colorbar(image, ax=top)

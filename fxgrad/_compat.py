@@ -107,11 +107,22 @@ def new_fake_view(base: torch.Tensor, template: torch.Tensor, storage_offset: in
 # View ops whose result's storage offset is the input's plus an amount that depends only on
 # the arguments and the input's shape and strides (not as_strided: its offset is absolute).
 _aten = torch.ops.aten
-VIEWS = frozenset({
-    _aten.view.default, _aten.squeeze.default, _aten.squeeze.dim, _aten.squeeze.dims, _aten.unsqueeze.default,
-    _aten.expand.default, _aten.permute.default, _aten.t.default, _aten.transpose.int, _aten.alias.default,
-    _aten.slice.Tensor, _aten.select.int,
-})
+VIEWS = frozenset(
+    {
+        _aten.view.default,
+        _aten.squeeze.default,
+        _aten.squeeze.dim,
+        _aten.squeeze.dims,
+        _aten.unsqueeze.default,
+        _aten.expand.default,
+        _aten.permute.default,
+        _aten.t.default,
+        _aten.transpose.int,
+        _aten.alias.default,
+        _aten.slice.Tensor,
+        _aten.select.int,
+    }
+)
 
 
 def shape_arguments(func: Any, args: tuple) -> tuple:
@@ -148,7 +159,9 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 
 
 def inductor_compile(
-    gm: torch.fx.GraphModule, example_inputs: list, rewrite_backward: BackwardRewrite,
+    gm: torch.fx.GraphModule,
+    example_inputs: list,
+    rewrite_backward: BackwardRewrite,
     config_patches: dict | None = None,
 ) -> Any:
     """Compile with Inductor, calling ``rewrite_backward(bw_gm)`` on the backward graph.
@@ -198,7 +211,9 @@ def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
 
 
 def aot_eager_compile(
-    gm: torch.fx.GraphModule, example_inputs: list, rewrite_backward: BackwardRewrite,
+    gm: torch.fx.GraphModule,
+    example_inputs: list,
+    rewrite_backward: BackwardRewrite,
     config_patches: dict | None = None,
 ) -> Any:
     """AOTAutograd without codegen: both graphs run as plain FX code (no Inductor

@@ -23,7 +23,7 @@ def main() -> None:
     else:
         compiled = torch.compile(model, backend=fxgrad.backend(fxgrad.clip_by_global_norm(max_norm)))
     (compiled(x) ** 2).sum().backward()
-    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters())).item()
+    norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
     print(json.dumps({"norm": norm, "aot_cache_hits": counters["aot_autograd"]["autograd_cache_hit"]}))
 
 

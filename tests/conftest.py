@@ -18,4 +18,3 @@ def fresh_dynamo():
     yield
     _compat.dynamo_config().allow_rnn = allow_rnn
     _compat.reset_dynamo()
-

@@ -42,8 +42,13 @@ def on_each_rank(check):
     @functools.wraps(check)
     def run(rank: int, world: int, rendezvous_file: str, *args) -> None:
         faulthandler.dump_traceback_later(STUCK_AFTER_S, exit=True)
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{rendezvous_file}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
         torch.manual_seed(0)
         try:
             check(rank, world, *args)
@@ -59,15 +64,16 @@ def on_each_rank(check):
 
 
 def model_and_data():
-    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
-                          nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)
+    )
     x = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(1))
     return model, x
 
 
 def half(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     size = x.shape[0] // world
-    return x[rank * size:(rank + 1) * size]
+    return x[rank * size : (rank + 1) * size]
 
 
 def loss(out: torch.Tensor) -> torch.Tensor:
@@ -159,5 +165,6 @@ def fsdp2(rank: int, world: int, policy: str) -> None:
     loss(whole(x)).backward()
     reference(whole)
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5 * q.grad.abs().max().item(),
-                                   msg=name)
+        torch.testing.assert_close(
+            p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5 * q.grad.abs().max().item(), msg=name
+        )

@@ -115,8 +115,16 @@ def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=64,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     ids = _hf_ids(64)
     return GPT2LMHeadModel(config), (ids,), {"labels": ids}
@@ -126,9 +134,14 @@ def bert():
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=32,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     ids = _hf_ids(64)
     return BertForMaskedLM(config), (ids,), {"labels": ids}
@@ -138,16 +151,26 @@ def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
     )
     ids = _hf_ids(64)
     return LlamaForCausalLM(config), (ids,), {"labels": ids}
 
 
 BUILDERS = {
-    "mlp": mlp, "cnn": cnn, "transformer": transformer, "lstm": lstm,
-    "gpt2": gpt2, "bert": bert, "llama": llama,
+    "mlp": mlp,
+    "cnn": cnn,
+    "transformer": transformer,
+    "lstm": lstm,
+    "gpt2": gpt2,
+    "bert": bert,
+    "llama": llama,
 }
 
 

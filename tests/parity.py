@@ -68,8 +68,11 @@ def no_host_sync():
     def sync(*args, **kwargs):
         raise AssertionError("host sync in the training step")
 
-    with mock.patch.object(torch.Tensor, "item", sync), mock.patch.object(torch.Tensor, "tolist", sync), \
-            mock.patch.object(torch.Tensor, "__bool__", sync):
+    with (
+        mock.patch.object(torch.Tensor, "item", sync),
+        mock.patch.object(torch.Tensor, "tolist", sync),
+        mock.patch.object(torch.Tensor, "__bool__", sync),
+    ):
         yield
 
 
@@ -80,8 +83,9 @@ def batches(steps, spikes=()):
         yield step, torch.randn(8, 16, generator=gen), 30.0 if step in spikes else 1.0
 
 
-def run_both(policy, reference_step, steps, spikes=(), compiler="aot_eager", model=None, lr=0.0, rtol=1e-5,
-             inputs=None):
+def run_both(
+    policy, reference_step, steps, spikes=(), compiler="aot_eager", model=None, lr=0.0, rtol=1e-5, inputs=None
+):
     """Same model, same inputs; compiled with ``policy`` vs eager + ``reference_step``.
 
     With ``lr=0`` there is no optimizer step, so the two runs differ only

@@ -54,8 +54,11 @@ def forward_order(model: nn.Module, *args, **kwargs) -> list[str]:
     handles = []
     for name, module in model.named_modules():
         if name in owners:
-            handles.append(module.register_forward_pre_hook(
-                lambda m, a, name=name: order.append(name) if name not in order else None))
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, a, name=name: order.append(name) if name not in order else None
+                )
+            )
     with torch.no_grad():
         model(*args, **kwargs)
     for h in handles:
@@ -64,8 +67,7 @@ def forward_order(model: nn.Module, *args, **kwargs) -> list[str]:
 
 
 def clip_global(model, max_norm, norm_type=2.0):
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                   max_norm, norm_type)
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm, norm_type)
 
 
 def clip_per_layer(model, max_norm, norm_type=2.0, select=lambda name, module: True):
@@ -116,7 +118,7 @@ class AutoClip:
         import numpy as np
 
         total = total_norm(model)
-        self.norms = (self.norms + [total])[-self.history:]
+        self.norms = (self.norms + [total])[-self.history :]
         value = float(np.percentile(self.norms, self.percentile))
         self.tau = value if self.tau is None else (1 - self.blend) * self.tau + self.blend * value
         torch.nn.utils.clip_grad_norm_(model.parameters(), self.tau)
@@ -139,7 +141,7 @@ class ZClip:
                 self.var = sum((x - self.mean) ** 2 for x in self.buffer) / len(self.buffer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm)
             return None
-        std = self.var ** 0.5
+        std = self.var**0.5
         z = (total - self.mean) / (std + self.eps)
         threshold = None
         if z > self.z_thresh:
@@ -170,7 +172,7 @@ class Monitor:
                 continue
             norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
             mean, var, count = self.state.get(name, (0.0, 0.0, 0))
-            z = (norm - mean) / (var ** 0.5 + 1e-12)
+            z = (norm - mean) / (var**0.5 + 1e-12)
             spike = count >= self.warmup and z > self.spike_z
             if count == 0:
                 mean, var = norm, 0.0
@@ -178,8 +180,7 @@ class Monitor:
                 rate, diff = 1 - self.ema, norm - mean
                 mean, var = mean + rate * diff, (1 - rate) * (var + rate * diff * diff)
             self.state[name] = (mean, var, count + 1)
-            out[name] = {"grad_norm": norm, "grad_norm_ema": mean, "grad_norm_std": var ** 0.5,
-                         "spike": float(spike)}
+            out[name] = {"grad_norm": norm, "grad_norm_ema": mean, "grad_norm_std": var**0.5, "spike": float(spike)}
         return out
 
 
@@ -209,8 +210,8 @@ def sinkhorn(model, iters=5, eps=1e-8):
                 y = g.reshape(g.shape[0], -1)
                 m, n = y.shape
                 for _ in range(iters):
-                    y = y * (n ** 0.5 / (y.norm(dim=1, keepdim=True) + eps))
-                    y = y * (m ** 0.5 / (y.norm(dim=0, keepdim=True) + eps))
+                    y = y * (n**0.5 / (y.norm(dim=1, keepdim=True) + eps))
+                    y = y * (m**0.5 / (y.norm(dim=0, keepdim=True) + eps))
                 values.append(y.reshape(g.shape))
             else:
                 values.append(g * (g.numel() ** 0.5 / (g.norm() + eps)))
@@ -219,6 +220,7 @@ def sinkhorn(model, iters=5, eps=1e-8):
 
 def agc(model, clipping=0.01, eps=1e-3):
     """timm's adaptive_clip_grad, unit-wise, float64."""
+
     def unitwise(x):
         dims = tuple(range(1, x.dim()))
         return x.norm() if x.dim() <= 1 else torch.linalg.vector_norm(x, dim=dims, keepdim=True)
@@ -308,8 +310,11 @@ class MultiNormalize:
         for name, _, params in trainable_layers(model):
             flat = torch.cat([p.grad.double().reshape(-1) for p in params])
             n = flat.numel()
-            values = {"l2": flat.norm().item(), "linf": flat.abs().max().item(),
-                      "rms": flat.norm().item() / math.sqrt(n)}
+            values = {
+                "l2": flat.norm().item(),
+                "linf": flat.abs().max().item(),
+                "rms": flat.norm().item() / math.sqrt(n),
+            }
             l1 = flat.abs().sum().item()
             rho = min(max(1 - (math.pi / 2) * l1 * l1 / (n * max(values["l2"], 1e-30) ** 2), 0.0), 1.0)
             choice, reference, steps = self.state.get(name, (0, 0.0, 0))

@@ -29,8 +29,9 @@ def inputs(steps, spikes=SPIKES):
     return [(step, x, 50.0 if step in spikes else 1.0) for step, x, _ in batches(steps)]
 
 
-def train(steps, scope="graph", compiler="aot_eager", model=None, state=None, args=None, lr=0.05,
-          reference=None, scaler=False):
+def train(
+    steps, scope="graph", compiler="aot_eager", model=None, state=None, args=None, lr=0.05, reference=None, scaler=False
+):
     """Compiled with ``adagc(**args)`` vs eager + the reference, SGD on both, gradients
     compared after every step (every step after the first under the host-sync trap).
 
@@ -41,8 +42,11 @@ def train(steps, scope="graph", compiler="aot_eager", model=None, state=None, ar
     model = model if model is not None else models.MLP()
     eager = copy.deepcopy(model)
     reference = reference or ref.AdaGC(**args)
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)] if scaler \
+    scalers = (
+        [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
+        if scaler
         else [None, None]
+    )
     backend = fxgrad.backend(fxgrad.adagc(**args), compiler=compiler, scope=scope, scaler=scalers[0])
     if state is not None:
         backend.load_state_dict(state)
@@ -71,8 +75,13 @@ def train(steps, scope="graph", compiler="aot_eager", model=None, state=None, ar
             optimizers[1].step()
         assert_grads_close(model, eager)
         assert backend.stats()["grad_norm/total"].item() == pytest.approx(total, rel=1e-5), step
-        worst = max([worst] + [((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-30)).item()
-                               for a, b in zip(model.parameters(), eager.parameters())])
+        worst = max(
+            [worst]
+            + [
+                ((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-30)).item()
+                for a, b in zip(model.parameters(), eager.parameters())
+            ]
+        )
         if scaler:
             for s, optimizer in zip(scalers, optimizers):
                 s.step(optimizer)
@@ -233,32 +242,34 @@ def test_a_tensor_first_seen_after_warmup_starts_from_its_norm():
 def test_repr_defaults_and_config():
     assert repr(fxgrad.adagc()) == "adagc(lambda_abs=1.0, lambda_rel=1.04, beta=0.99, warmup=100, eps=1e-06)"
     assert fxgrad.adagc(warmup=0).warmup == 0
-    backend = fxgrad.from_config({"transform": {"adagc": {"lambda_rel": 1.05, "beta": 0.98}},
-                                  "compiler": "aot_eager"})
+    backend = fxgrad.from_config({"transform": {"adagc": {"lambda_rel": 1.05, "beta": 0.98}}, "compiler": "aot_eager"})
     assert backend.transform == fxgrad.adagc(lambda_rel=1.05, beta=0.98)
 
 
-@pytest.mark.parametrize(("kwargs", "error", "argument"), [
-    ({"lambda_abs": 0}, ValueError, "lambda_abs"),
-    ({"lambda_abs": -1.0}, ValueError, "lambda_abs"),
-    ({"lambda_abs": float("nan")}, ValueError, "lambda_abs"),
-    ({"lambda_abs": "1"}, TypeError, "lambda_abs"),
-    ({"lambda_abs": True}, TypeError, "lambda_abs"),
-    ({"lambda_rel": 0.0}, ValueError, "lambda_rel"),
-    ({"lambda_rel": float("inf")}, ValueError, "lambda_rel"),
-    ({"lambda_rel": None}, TypeError, "lambda_rel"),
-    ({"beta": 1.0}, ValueError, "beta"),
-    ({"beta": -0.1}, ValueError, "beta"),
-    ({"beta": float("nan")}, ValueError, "beta"),
-    ({"beta": "0.9"}, TypeError, "beta"),
-    ({"warmup": -1}, ValueError, "warmup"),
-    ({"warmup": 2**53 + 1}, ValueError, "warmup"),
-    ({"warmup": 2.5}, TypeError, "warmup"),
-    ({"warmup": True}, TypeError, "warmup"),
-    ({"eps": 0.0}, ValueError, "eps"),
-    ({"eps": float("inf")}, ValueError, "eps"),
-    ({"eps": torch.tensor(1e-6)}, TypeError, "eps"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "argument"),
+    [
+        ({"lambda_abs": 0}, ValueError, "lambda_abs"),
+        ({"lambda_abs": -1.0}, ValueError, "lambda_abs"),
+        ({"lambda_abs": float("nan")}, ValueError, "lambda_abs"),
+        ({"lambda_abs": "1"}, TypeError, "lambda_abs"),
+        ({"lambda_abs": True}, TypeError, "lambda_abs"),
+        ({"lambda_rel": 0.0}, ValueError, "lambda_rel"),
+        ({"lambda_rel": float("inf")}, ValueError, "lambda_rel"),
+        ({"lambda_rel": None}, TypeError, "lambda_rel"),
+        ({"beta": 1.0}, ValueError, "beta"),
+        ({"beta": -0.1}, ValueError, "beta"),
+        ({"beta": float("nan")}, ValueError, "beta"),
+        ({"beta": "0.9"}, TypeError, "beta"),
+        ({"warmup": -1}, ValueError, "warmup"),
+        ({"warmup": 2**53 + 1}, ValueError, "warmup"),
+        ({"warmup": 2.5}, TypeError, "warmup"),
+        ({"warmup": True}, TypeError, "warmup"),
+        ({"eps": 0.0}, ValueError, "eps"),
+        ({"eps": float("inf")}, ValueError, "eps"),
+        ({"eps": torch.tensor(1e-6)}, TypeError, "eps"),
+    ],
+)
 def test_bad_arguments_raise_naming_them(kwargs, error, argument):
     with pytest.raises(error, match=rf"\b{argument}\b"):
         fxgrad.adagc(**kwargs)

@@ -14,9 +14,23 @@ ROOT = os.path.dirname(os.path.dirname(__file__))
 
 def test_bench_quick_smoke():
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--compiler", "aot_eager",
-         "--models", "deep_mlp", "--policies", "global_clip,rescale", "--out", "-"],
-        capture_output=True, text=True, check=True, timeout=600,
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "run.py"),
+            "--quick",
+            "--compiler",
+            "aot_eager",
+            "--models",
+            "deep_mlp",
+            "--policies",
+            "global_clip,rescale",
+            "--out",
+            "-",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
     )
     assert "| deep_mlp | global_clip |" in out.stdout
     assert "| 100 | 200 |" in out.stdout
@@ -47,6 +61,7 @@ def test_hooked_variant_runs_its_hooks_beside_an_unhooked_compiled_copy():
                 a.grad = b.grad = None
         print("hooks ran")
     """)
-    out = subprocess.run([sys.executable, "-c", script], cwd=os.path.join(ROOT, "bench"),
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=os.path.join(ROOT, "bench"), capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0 and "hooks ran" in out.stdout, out.stderr[-3000:]

@@ -18,8 +18,9 @@ PROBE = os.path.join(os.path.dirname(__file__), "cache_probe.py")
 
 def step(policy, cache_dir):
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
-    out = subprocess.run([sys.executable, PROBE, policy], env=env, check=True,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, PROBE, policy], env=env, check=True, capture_output=True, text=True, timeout=300
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -41,11 +41,15 @@ def test_named_backend_with_options_matches_eager():
     )
 
 
-
 def test_named_backend_gives_each_model_its_own_backend():
     """Two models compiled with the same options: each keeps its layer names and state."""
-    options = {"transform": [{"by_name": {"mapping": {"net.0": {"clip_by_norm": {"max_norm": 1e-3}}}}},
-                             {"autoclip": {"history": 4}}], "compiler": "aot_eager"}
+    options = {
+        "transform": [
+            {"by_name": {"mapping": {"net.0": {"clip_by_norm": {"max_norm": 1e-3}}}}},
+            {"autoclip": {"history": 4}},
+        ],
+        "compiler": "aot_eager",
+    }
     x = torch.randn(8, 16)
     trained = []
     for sizes in ((16, 32, 4), (16, 8, 8, 4)):  # two sizes of one class: two graphs
@@ -60,6 +64,7 @@ def test_named_backend_gives_each_model_its_own_backend():
     backends = [backend_for(options, model) for model in trained]
     assert backends[0] is not backends[1] and backend_for(options) is backends[1]
     assert [b.state_dict()["1.autoclip/count"].item() for b in backends] == [1, 1]
+
 
 def test_policy_from_file_via_environment(tmp_path, monkeypatch):
     path = tmp_path / "policy.json"
@@ -84,18 +89,26 @@ def test_config_file_key(tmp_path):
     assert repr(from_config({"config": str(path)})) == expected
 
 
-
 def test_config_file_keys_beside_it_override_and_schedules_take_string_steps(tmp_path):
     path = tmp_path / "policy.json"
-    path.write_text(json.dumps({
-        "transform": {"multi_normalize": {"schedule": {"0": ["l2"], "100": ["l2", "linf"]},
-                                          "threshold_schedule": {"0": 0.2, "50": 0.1}}},
-        "compiler": "inductor",
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "transform": {
+                    "multi_normalize": {
+                        "schedule": {"0": ["l2"], "100": ["l2", "linf"]},
+                        "threshold_schedule": {"0": 0.2, "50": 0.1},
+                    }
+                },
+                "compiler": "inductor",
+            }
+        )
+    )
     backend = from_config({"config": str(path), "compiler": "aot_eager", "strict": False})
     assert (backend.compiler, backend.strict) == ("aot_eager", False)
-    assert backend.transform == fxgrad.multi_normalize(schedule={0: ("l2",), 100: ("l2", "linf")},
-                                                       threshold_schedule={0: 0.2, 50: 0.1})
+    assert backend.transform == fxgrad.multi_normalize(
+        schedule={0: ("l2",), 100: ("l2", "linf")}, threshold_schedule={0: 0.2, 50: 0.1}
+    )
     with pytest.raises(ValueError, match="unknown config keys"):
         from_config({"config": str(path), "strikt": True})
     path.write_text(json.dumps({"config": str(path)}))
@@ -105,14 +118,21 @@ def test_config_file_keys_beside_it_override_and_schedules_take_string_steps(tmp
     with pytest.raises(ValueError, match="not valid JSON"):
         from_config({"config": str(path)})
 
+
 def test_routers_and_skip_in_config():
-    backend = from_config({
-        "transform": {"by_name": {"mapping": {"*.q_proj": {"rescale": {"alpha": 0.3}}},
-                                  "default": {"clip_by_norm": {"max_norm": 1.0}}}},
-        "skip": ["default", "type:torch.nn.Embedding", "lm_head"],
-        "strict": False,
-        "scope": "step",
-    })
+    backend = from_config(
+        {
+            "transform": {
+                "by_name": {
+                    "mapping": {"*.q_proj": {"rescale": {"alpha": 0.3}}},
+                    "default": {"clip_by_norm": {"max_norm": 1.0}},
+                }
+            },
+            "skip": ["default", "type:torch.nn.Embedding", "lm_head"],
+            "strict": False,
+            "scope": "step",
+        }
+    )
     assert backend.skip == fxgrad.DEFAULT_SKIP + (nn.Embedding, "lm_head")
     assert not backend.strict
     assert backend.scope == "step"
@@ -148,8 +168,10 @@ def test_named_backend_without_policy_explains(monkeypatch):
 
 
 def test_named_backend_reports_routing_keys_that_reach_no_layer():
-    options = {"transform": {"by_name": {"mapping": {"*nothing*": {"clip_by_norm": {"max_norm": 1.0}}}}},
-               "compiler": "aot_eager"}
+    options = {
+        "transform": {"by_name": {"mapping": {"*nothing*": {"clip_by_norm": {"max_norm": 1.0}}}}},
+        "compiler": "aot_eager",
+    }
     with pytest.warns(fxgrad.CoverageWarning, match=r"by_name key '\*nothing\*' matches no layer"):
         torch.compile(models.MLP(), backend="fxgrad", options=options)(torch.randn(2, 16))
 

@@ -47,13 +47,13 @@ class EagerMiddle(nn.Module):
         return self.fc2(h)
 
 
-
 @contextlib.contextmanager
 def coverage_silent():
     """Fail on any fxgrad coverage warning inside the block."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxgrad.CoverageWarning)
         yield
+
 
 def run(model, transform, **backend_kwargs):
     backend = fxgrad.backend(transform, compiler="aot_eager", **backend_kwargs)
@@ -150,7 +150,8 @@ def test_lstm_with_allow_rnn_is_captured():
 
 def test_explain_names_uncaptured_layers():
     report = fxgrad.explain(
-        EagerMiddle(), torch.randn(5, 8),
+        EagerMiddle(),
+        torch.randn(5, 8),
         backend=fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager"),
     )
     actions = {row.name: row.action for row in report.layers}
@@ -184,12 +185,19 @@ class Blocks(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("transform, reference", [
-    (fxgrad.adaptive_grad_clip(0.01), lambda m: ref.agc(m, 0.01)),
-    (fxgrad.by_name({"blocks.0.*": fxgrad.clip_by_norm(1e-3)}, default=fxgrad.clip_by_norm(1e-2)),
-     lambda m: (ref.clip_per_layer(m, 1e-3, select=lambda name, _: name.startswith("blocks.0")),
-                ref.clip_per_layer(m, 1e-2, select=lambda name, _: name.startswith("blocks.1")))),
-])
+@pytest.mark.parametrize(
+    "transform, reference",
+    [
+        (fxgrad.adaptive_grad_clip(0.01), lambda m: ref.agc(m, 0.01)),
+        (
+            fxgrad.by_name({"blocks.0.*": fxgrad.clip_by_norm(1e-3)}, default=fxgrad.clip_by_norm(1e-2)),
+            lambda m: (
+                ref.clip_per_layer(m, 1e-3, select=lambda name, _: name.startswith("blocks.0")),
+                ref.clip_per_layer(m, 1e-2, select=lambda name, _: name.startswith("blocks.1")),
+            ),
+        ),
+    ],
+)
 def test_layers_of_a_submodule_frame_keep_the_models_names(transform, reference):
     """Dynamo compiles each Body.forward as its own frame (the loop's frame is skipped); the
     layers are still named after the compiled model, so AGC reads each block's own weights."""
@@ -368,19 +376,38 @@ def test_parameters_replaced_by_load_state_dict_assign_are_followed():
     assert len(old) == len(list(model.parameters())) and len(backend.graphs) == 1
 
 
-@pytest.mark.parametrize("transform,skip,message", [
-    (fxgrad.by_name({"*nonexistent*": fxgrad.clip_by_norm(1.0)}), fxgrad.DEFAULT_SKIP,
-     r"by_name key '\*nonexistent\*' matches no layer"),
-    (fxgrad.by_name({"lm_head": fxgrad.clip_by_norm(1.0)}), fxgrad.DEFAULT_SKIP,
-     r"by_name key 'lm_head' matches no layer.*first owner"),  # tied: transformer.wte owns it
-    (fxgrad.clip_by_norm(1.0), fxgrad.DEFAULT_SKIP + ("lm_head",), r"skip entry 'lm_head' matches no layer"),
-    (fxgrad.by_type({nn.LayerNorm: fxgrad.clip_by_norm(1.0)}), fxgrad.DEFAULT_SKIP,
-     r"by_type key LayerNorm reaches no layer: the skip list leaves alone all it matches"),
-    (fxgrad.chain(fxgrad.monitor(), fxgrad.by_name({"*": fxgrad.rescale(), "*mlp*": fxgrad.clip_by_norm(1.0)})),
-     fxgrad.DEFAULT_SKIP, r"by_name key '\*mlp\*' reaches no layer: earlier keys took all it matches"),
-    (fxgrad.rescale(multipliers={"*.q_proj": 1.3, "*.c_attn": 1.3}), fxgrad.DEFAULT_SKIP,
-     r"rescale multiplier key '\*.q_proj' matches no layer it rescales"),  # Llama's name, in GPT-2
-], ids=["typo", "tied", "skip", "skipped", "shadowed", "multiplier"])
+@pytest.mark.parametrize(
+    "transform,skip,message",
+    [
+        (
+            fxgrad.by_name({"*nonexistent*": fxgrad.clip_by_norm(1.0)}),
+            fxgrad.DEFAULT_SKIP,
+            r"by_name key '\*nonexistent\*' matches no layer",
+        ),
+        (
+            fxgrad.by_name({"lm_head": fxgrad.clip_by_norm(1.0)}),
+            fxgrad.DEFAULT_SKIP,
+            r"by_name key 'lm_head' matches no layer.*first owner",
+        ),  # tied: transformer.wte owns it
+        (fxgrad.clip_by_norm(1.0), fxgrad.DEFAULT_SKIP + ("lm_head",), r"skip entry 'lm_head' matches no layer"),
+        (
+            fxgrad.by_type({nn.LayerNorm: fxgrad.clip_by_norm(1.0)}),
+            fxgrad.DEFAULT_SKIP,
+            r"by_type key LayerNorm reaches no layer: the skip list leaves alone all it matches",
+        ),
+        (
+            fxgrad.chain(fxgrad.monitor(), fxgrad.by_name({"*": fxgrad.rescale(), "*mlp*": fxgrad.clip_by_norm(1.0)})),
+            fxgrad.DEFAULT_SKIP,
+            r"by_name key '\*mlp\*' reaches no layer: earlier keys took all it matches",
+        ),
+        (
+            fxgrad.rescale(multipliers={"*.q_proj": 1.3, "*.c_attn": 1.3}),
+            fxgrad.DEFAULT_SKIP,
+            r"rescale multiplier key '\*.q_proj' matches no layer it rescales",
+        ),  # Llama's name, in GPT-2
+    ],
+    ids=["typo", "tied", "skip", "skipped", "shadowed", "multiplier"],
+)
 def test_routing_keys_and_skip_entries_that_reach_no_layer_are_reported(transform, skip, message):
     model, _, _ = models.build("gpt2")
     with pytest.warns(fxgrad.CoverageWarning, match=message):
@@ -389,7 +416,9 @@ def test_routing_keys_and_skip_entries_that_reach_no_layer_are_reported(transfor
 
 def test_routing_keys_that_reach_layers_are_not_reported():
     model, _, _ = models.build("gpt2")
-    policy = fxgrad.by_name({"*attn*": fxgrad.rescale(multipliers={"*.c_attn": 1.3})},
-                            default=fxgrad.by_type({nn.Embedding: fxgrad.rescale()}))
+    policy = fxgrad.by_name(
+        {"*attn*": fxgrad.rescale(multipliers={"*.c_attn": 1.3})},
+        default=fxgrad.by_type({nn.Embedding: fxgrad.rescale()}),
+    )
     with coverage_silent():
         fxgrad.backend(policy, compiler="aot_eager", skip=fxgrad.DEFAULT_SKIP + ("*ln_f*",)).compile(model)

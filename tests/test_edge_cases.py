@@ -74,8 +74,7 @@ def test_dynamic_batch_sizes_compile_once(compiler):
     torch.manual_seed(0)
     model = models.MLP()
     expected = copy.deepcopy(model)
-    backend = fxgrad.backend(fxgrad.chain(fxgrad.rescale(0.5), fxgrad.clip_by_global_norm(1e-3)),
-                             compiler=compiler)
+    backend = fxgrad.backend(fxgrad.chain(fxgrad.rescale(0.5), fxgrad.clip_by_global_norm(1e-3)), compiler=compiler)
     compiled = backend.compile(model, dynamic=True)
     for batch in (3, 7, 12):
         x = torch.randn(batch, 16)
@@ -111,15 +110,16 @@ def test_compiled_autograd_is_refused_in_graph_scope():
     from torch._dynamo import compiled_autograd
 
     model = models.MLP()
-    for enable in (lambda: compiled_autograd._enable(torch.compile(backend="aot_eager")),
-                   lambda: torch._dynamo.config.patch(compiled_autograd=True)):
+    for enable in (
+        lambda: compiled_autograd._enable(torch.compile(backend="aot_eager")),
+        lambda: torch._dynamo.config.patch(compiled_autograd=True),
+    ):
         backend = fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager")
         compiled = backend.compile(model)
         with enable(), pytest.raises(fxgrad.CoverageError, match="compiled autograd is on"):
             compiled(torch.randn(2, 16))
         models.loss_of(compiled(torch.randn(2, 16))).backward()  # and works once it is off
         torch._dynamo.reset()
-
 
 
 class ComplexHead(nn.Module):
@@ -132,8 +132,10 @@ class ComplexHead(nn.Module):
 
 
 def layer_norms(model, p=2.0):
-    return [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad, p) for q in m.parameters()]), p)
-            for m in (model.real, model.complex)]
+    return [
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad, p) for q in m.parameters()]), p)
+        for m in (model.real, model.complex)
+    ]
 
 
 def complex_step(transform):
@@ -146,11 +148,15 @@ def complex_step(transform):
     return model, eager
 
 
-@pytest.mark.parametrize("transform,reference", [
-    (fxgrad.clip_by_global_norm(1e-3), lambda eager: ref.clip_global(eager, 1e-3)),
-    (fxgrad.clip_by_norm(1e-3), lambda eager: ref.clip_per_layer(eager, 1e-3)),
-    (fxgrad.adaptive_grad_clip(0.01), lambda eager: ref.agc(eager, 0.01)),
-], ids=["global_clip", "per_layer_clip", "agc"])
+@pytest.mark.parametrize(
+    "transform,reference",
+    [
+        (fxgrad.clip_by_global_norm(1e-3), lambda eager: ref.clip_global(eager, 1e-3)),
+        (fxgrad.clip_by_norm(1e-3), lambda eager: ref.clip_per_layer(eager, 1e-3)),
+        (fxgrad.adaptive_grad_clip(0.01), lambda eager: ref.agc(eager, 0.01)),
+    ],
+    ids=["global_clip", "per_layer_clip", "agc"],
+)
 def test_complex_gradients_are_clipped_as_clip_grad_norm_does(transform, reference):
     """Norms of complex gradients use the moduli |z|, as torch.linalg.vector_norm does."""
     model, eager = complex_step(transform)

@@ -105,9 +105,11 @@ def test_each_row_shows_the_values_that_apply_to_its_layer():
     assert table.count("multipliers=") == 1  # the policy, once
     actions = {row.name: row.action for row in report.layers}
     assert actions["transformer.h.0.attn.c_attn"] == (
-        "rescale(alpha=0.5, target='mean', multiplier=1.3) -> clip_by_global_norm(max_norm=1.0)")
+        "rescale(alpha=0.5, target='mean', multiplier=1.3) -> clip_by_global_norm(max_norm=1.0)"
+    )
     assert actions["transformer.h.0.attn.c_proj"] == (
-        "rescale(alpha=0.5, target='mean') -> clip_by_global_norm(max_norm=1.0)")
+        "rescale(alpha=0.5, target='mean') -> clip_by_global_norm(max_norm=1.0)"
+    )
 
 
 def test_a_callable_target_shows_each_layers_value():
@@ -115,4 +117,7 @@ def test_a_callable_target_shows_each_layers_value():
     policy = fxgrad.rescale(target=lambda depth, layer: 0.01 * (1 + 2 * (1 - depth)))
     report = fxgrad.explain(model, torch.randn(2, 4), backend=aot(policy))
     assert [row.action for row in report.layers] == [
-        "rescale(alpha=0.5, target=0.03)", "rescale(alpha=0.5, target=0.02)", "rescale(alpha=0.5, target=0.01)"]
+        "rescale(alpha=0.5, target=0.03)",
+        "rescale(alpha=0.5, target=0.02)",
+        "rescale(alpha=0.5, target=0.01)",
+    ]

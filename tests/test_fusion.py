@@ -24,8 +24,9 @@ def backward_launches(transform, depth=8, width=32):
     """Kernel launches in the compiled backward of a ``depth``-layer MLP, and its code."""
     _compat.reset_dynamo()
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())
-                            for _ in range(depth)])
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU()) for _ in range(depth)]
+    )
     loss = fxgrad.backend(transform).compile(model)(torch.randn(8, width)).sum()
     code = "\n".join(_compat.generated_code(loss.backward))
     return len(LAUNCH.findall(code)), code

@@ -23,7 +23,9 @@ def tiny():
 class TestInsertedGraphs(expecttest.TestCase):
     def test_clip_by_global_norm_covers_norm_layers(self):
         model, x = tiny()
-        self.assertExpectedInline(inserted_code(model, x, transform=fxgrad.clip_by_global_norm(1.0)), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=fxgrad.clip_by_global_norm(1.0)),
+            """\
 # layer norms for clip_by_global_norm(max_norm=1.0)
 fxgrad_mul = aten.mul.Tensor(grad['0.weight'], grad['0.weight'])
 fxgrad_sum = aten.sum.default(fxgrad_mul)
@@ -77,11 +79,14 @@ return {
     '2.weight': fxgrad_mul_12,
     '2.bias': fxgrad_mul_13,
 }
-""")
+""",
+        )
 
     def test_clip_by_norm_skips_layernorm(self):
         model, x = tiny()
-        self.assertExpectedInline(inserted_code(model, x, transform=fxgrad.clip_by_norm(1.0)), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=fxgrad.clip_by_norm(1.0)),
+            """\
 # layer norms for clip_by_norm(max_norm=1.0)
 fxgrad_mul = aten.mul.Tensor(grad['0.weight'], grad['0.weight'])
 fxgrad_sum = aten.sum.default(fxgrad_mul)
@@ -117,11 +122,14 @@ return {
     '2.weight': fxgrad_mul_8,
     '2.bias': fxgrad_mul_9,
 }
-""")
+""",
+        )
 
     def test_clip_by_value(self):
         model, x = tiny()
-        self.assertExpectedInline(inserted_code(model, x, transform=fxgrad.clip_by_value(0.5)), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=fxgrad.clip_by_value(0.5)),
+            """\
 # clip_by_value(clip_value=0.5) on [0, 2]
 fxgrad_clamp_min = aten.clamp_min.default(grad['0.weight'], -0.5)
 fxgrad_clamp_max = aten.clamp_max.default(fxgrad_clamp_min, 0.5)
@@ -139,12 +147,15 @@ return {
     '2.weight': fxgrad_clamp_max_2,
     '2.bias': fxgrad_clamp_max_3,
 }
-""")
+""",
+        )
 
     def test_rescale_with_multiplier(self):
         model, x = tiny()
         transform = fxgrad.rescale(alpha=0.5, multipliers={"2": 2.0})
-        self.assertExpectedInline(inserted_code(model, x, transform=transform), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=transform),
+            """\
 # layer norms for rescale(alpha=0.5, target='mean', multipliers={'2': 2.0})
 fxgrad_mul = aten.mul.Tensor(grad['0.weight'], grad['0.weight'])
 fxgrad_sum = aten.sum.default(fxgrad_mul)
@@ -181,7 +192,8 @@ return {
     '2.weight': fxgrad_mul_7,
     '2.bias': fxgrad_mul_8,
 }
-""")
+""",
+        )
 
     def test_by_type_then_global_inf_norm(self):
         model, x = tiny()
@@ -189,7 +201,9 @@ return {
             fxgrad.by_type({nn.Linear: fxgrad.clip_by_norm(0.5)}),
             fxgrad.clip_by_global_norm(1.0, norm_type=math.inf),
         )
-        self.assertExpectedInline(inserted_code(model, x, transform=transform), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=transform),
+            """\
 # layer norms for clip_by_norm(max_norm=0.5), clip_by_global_norm(max_norm=1.0, norm_type=inf)
 fxgrad_mul = aten.mul.Tensor(grad['0.weight'], grad['0.weight'])
 fxgrad_sum = aten.sum.default(fxgrad_mul)
@@ -276,11 +290,14 @@ return {
     '2.weight': fxgrad_mul_20,
     '2.bias': fxgrad_mul_21,
 }
-""")
+""",
+        )
 
     def test_autoclip_loads_and_saves_its_state(self):
         model, x = tiny()
-        self.assertExpectedInline(inserted_code(model, x, transform=fxgrad.autoclip(history=4)), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=fxgrad.autoclip(history=4)),
+            """\
 # layer norms for autoclip(percentile=90.0, history=4, blend=0.1)
 fxgrad_mul = aten.mul.Tensor(grad['0.weight'], grad['0.weight'])
 fxgrad_sum = aten.sum.default(fxgrad_mul)
@@ -397,11 +414,14 @@ return {
     '2.weight': fxgrad_mul_16,
     '2.bias': fxgrad_mul_17,
 }
-""")
+""",
+        )
 
     def test_normalize_rms(self):
         model, x = tiny()
-        self.assertExpectedInline(inserted_code(model, x, transform=fxgrad.normalize("rms")), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=fxgrad.normalize("rms")),
+            """\
 # layer norms for normalize(norm='rms', scale=1.0, eps=1e-08)
 fxgrad_mul = aten.mul.Tensor(grad['0.weight'], grad['0.weight'])
 fxgrad_sum = aten.sum.default(fxgrad_mul)
@@ -437,12 +457,15 @@ return {
     '2.weight': fxgrad_mul_8,
     '2.bias': fxgrad_mul_9,
 }
-""")
+""",
+        )
 
     def test_multi_normalize(self):
         model, x = tiny()
         transform = fxgrad.multi_normalize(("l2", "linf"), switching_threshold=0.1)
-        self.assertExpectedInline(inserted_code(model, x, transform=transform), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=transform),
+            """\
 # layer norms for multi_normalize(norms=('l2', 'linf'), switching_threshold=0.1)
 fxgrad_abs = aten.abs.default(grad['0.weight'])
 fxgrad_sum = aten.sum.default(fxgrad_abs)
@@ -644,11 +667,14 @@ return {
     '2.weight': fxgrad_mul_21,
     '2.bias': fxgrad_mul_22,
 }
-""")
+""",
+        )
 
     def test_sinkhorn_one_iteration(self):
         model, x = tiny()
-        self.assertExpectedInline(inserted_code(model, x, transform=fxgrad.sinkhorn(iters=1)), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=fxgrad.sinkhorn(iters=1)),
+            """\
 # sinkhorn(iters=1) on [0, 2]
 fxgrad_view = aten.view.default(grad['0.weight'], [3, 4])
 fxgrad_mul = aten.mul.Tensor(fxgrad_view, fxgrad_view)
@@ -704,11 +730,14 @@ return {
     '2.weight': fxgrad_view_3,
     '2.bias': fxgrad_mul_17,
 }
-""")
+""",
+        )
 
     def test_adaptive_grad_clip_reads_weight_row_norms(self):
         model, x = tiny()
-        self.assertExpectedInline(inserted_code(model, x, transform=fxgrad.adaptive_grad_clip()), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=fxgrad.adaptive_grad_clip()),
+            """\
 # adaptive_grad_clip(clipping=0.01, eps=0.001) on [0, 2]
 fxgrad_load_state = fxgrad.load_state.default(<weight row norms of 0.adaptive_grad_clip>)
 fxgrad_split_with_sizes = aten.split_with_sizes.default(fxgrad_load_state, [3, 1, 2, 1])
@@ -772,11 +801,14 @@ return {
     '2.weight': fxgrad_where_2,
     '2.bias': fxgrad_where_3,
 }
-""")
+""",
+        )
 
     def test_trust_ratio_reads_weight_norms(self):
         model, x = tiny()
-        self.assertExpectedInline(inserted_code(model, x, transform=fxgrad.scale_by_trust_ratio()), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=fxgrad.scale_by_trust_ratio()),
+            """\
 # layer norms for scale_by_trust_ratio(trust_coefficient=1.0, eps=0.0, min_norm=0.0)
 fxgrad_mul = aten.mul.Tensor(grad['0.weight'], grad['0.weight'])
 fxgrad_sum = aten.sum.default(fxgrad_mul)
@@ -832,11 +864,14 @@ return {
     '2.weight': fxgrad_mul_7,
     '2.bias': fxgrad_mul_8,
 }
-""")
+""",
+        )
 
     def test_weight_norm_drift(self):
         model, x = tiny()
-        self.assertExpectedInline(inserted_code(model, x, transform=fxgrad.weight_norm_drift()), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=fxgrad.weight_norm_drift()),
+            """\
 # layer norms for weight_norm_drift(every=10, min_denominator=0.1)
 fxgrad_mul = aten.mul.Tensor(grad['0.weight'], grad['0.weight'])
 fxgrad_sum = aten.sum.default(fxgrad_mul)
@@ -910,11 +945,14 @@ return {
     '2.weight': fxgrad_mul_8,
     '2.bias': fxgrad_mul_9,
 }
-""")
+""",
+        )
 
     def test_balance_norms(self):
         model, x = tiny()
-        self.assertExpectedInline(inserted_code(model, x, transform=fxgrad.balance_norms(k=1)), """\
+        self.assertExpectedInline(
+            inserted_code(model, x, transform=fxgrad.balance_norms(k=1)),
+            """\
 # balance_norms(k=1, lam=0.01, every=100, entropy_drop=0.05) on [0, 2]
 fxgrad_load_state = fxgrad.load_state.default(<weight norms of 0.balance_norms>)
 fxgrad_load_state_1 = fxgrad.load_state.default(<0.balance_norms>)
@@ -1016,12 +1054,15 @@ return {
     '2.weight': fxgrad_add_4,
     '2.bias': fxgrad_add_5,
 }
-""")
+""",
+        )
 
     def test_whole_backward_of_one_linear(self):
         torch.manual_seed(0)
         model, x = nn.Linear(3, 2), torch.randn(4, 3)
-        self.assertExpectedInline(backward_code(model, x, transform=fxgrad.clip_by_global_norm(1.0)), """\
+        self.assertExpectedInline(
+            backward_code(model, x, transform=fxgrad.clip_by_global_norm(1.0)),
+            """\
 def forward(self, primals_3, tangents_1):
     t_1 = aten.t.default(tangents_1)
     mm = aten.mm.default(t_1, primals_3)
@@ -1055,7 +1096,8 @@ def forward(self, primals_3, tangents_1):
     fxgrad_add_3 = aten.add.Tensor(fxgrad_add_2, fxgrad_constant_pad_nd_2)
     fxgrad_save_state = fxgrad.save_state.default(<stats>, fxgrad_add_3)
     return (fxgrad_mul_4, fxgrad_mul_5, None)
-""")
+""",
+        )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,12 @@ def _layer(module: str) -> str | None:
 def _imports(path: pathlib.Path):
     """Modules ``path`` imports at run time (imports for type checkers only are left out)."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(node) for block in ast.walk(tree)
-                   if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
-                   for node in ast.walk(block)}
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in ast.walk(block)
+    }
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
@@ -54,9 +57,13 @@ def test_imports_run_downward():
 
 
 def test_private_torch_apis_stay_in_compat():
-    private = [f"{path.relative_to(ROOT.parent)} imports {module}"
-               for path in sorted(ROOT.rglob("*.py")) if path.name != "_compat.py"
-               for module in _imports(path) if module.startswith("torch._")]
+    private = [
+        f"{path.relative_to(ROOT.parent)} imports {module}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.name != "_compat.py"
+        for module in _imports(path)
+        if module.startswith("torch._")
+    ]
     assert not private, "\n".join(private)
 
 

@@ -15,8 +15,10 @@ STATELESS = {
     "normalize_rms": (fxgrad.normalize("rms"), lambda m: ref.normalize(m, "rms")),
     "sinkhorn": (fxgrad.sinkhorn(iters=5), lambda m: ref.sinkhorn(m, 5)),
     "agc": (fxgrad.adaptive_grad_clip(0.001), lambda m: ref.agc(m, 0.001)),
-    "trust_ratio": (fxgrad.scale_by_trust_ratio(0.01, eps=1e-9, min_norm=1e-3),
-                    lambda m: ref.trust_ratio(m, 0.01, 1e-9, 1e-3)),
+    "trust_ratio": (
+        fxgrad.scale_by_trust_ratio(0.01, eps=1e-9, min_norm=1e-3),
+        lambda m: ref.trust_ratio(m, 0.01, 1e-9, 1e-3),
+    ),
 }
 
 
@@ -74,8 +76,7 @@ def test_multi_normalize_switches_with_hysteresis():
 
 
 def test_multi_normalize_schedules():
-    transform = fxgrad.multi_normalize(schedule={0: ("l2",), 3: ("l2", "linf")},
-                                       threshold_schedule={0: 0.5, 6: 0.05})
+    transform = fxgrad.multi_normalize(schedule={0: ("l2",), 3: ("l2", "linf")}, threshold_schedule={0: 0.5, 6: 0.05})
     reference = ref.MultiNormalize(transform.schedule, transform.thresholds, transform.candidates)
     _, seen = run_both(transform, reference.step, 10, inputs=dense_then_sparse(10, 5))
     assert all(s[name][0] == 0 for s in seen[:3] for name in s)  # only l2 before step 3
@@ -104,8 +105,9 @@ def test_weight_norm_drift_guard_below_one_over_e():
 
 def test_balance_norms_pushes_top_down_and_bottom_up():
     reference = ref.Balance(k=1, lam=0.5, every=2, entropy_drop=0.0)
-    _, applied = run_both(fxgrad.balance_norms(k=1, lam=0.5, every=2, entropy_drop=0.0), reference.step, 10,
-                          lr=0.5, rtol=1e-4)
+    _, applied = run_both(
+        fxgrad.balance_norms(k=1, lam=0.5, every=2, entropy_drop=0.0), reference.step, 10, lr=0.5, rtol=1e-4
+    )
     assert any(applied)
 
 

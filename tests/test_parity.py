@@ -76,9 +76,7 @@ def test_by_type_lstm_half_others_one():
 
 
 def test_by_name_routes_by_pattern():
-    policy = fxgrad.by_name(
-        {"blocks.0.*": fxgrad.clip_by_norm(0.001)}, default=fxgrad.clip_by_value(1e-4)
-    )
+    policy = fxgrad.by_name({"blocks.0.*": fxgrad.clip_by_norm(0.001)}, default=fxgrad.clip_by_value(1e-4))
 
     def reference(m):
         ref.clip_per_layer(m, 0.001, select=lambda name, module: name.startswith("blocks.0."))

@@ -51,7 +51,8 @@ def test_recorder_decomposes_like_inductor():
     outputs = passes.gradient_outputs(gm, num_forward_inputs=3)
     record(gm, fake_mode, [outputs[0]], lambda gs: [gs[0].clamp(-1.0, 1.0)])
     assert [n.target for n in passes.inserted_nodes(gm)] == [
-        torch.ops.aten.clamp_min.default, torch.ops.aten.clamp_max.default,
+        torch.ops.aten.clamp_min.default,
+        torch.ops.aten.clamp_max.default,
     ]
 
 
@@ -84,8 +85,13 @@ def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
     which must also share their input's storage at the right offset)."""
 
     def layouts(x):
-        return (x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), x[0, 0].t(), x[0, 0, 0],
-                x.sum().double(), x[0, 0].bfloat16())
+        return (
+            x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2),
+            x[0, 0].t(),
+            x[0, 0, 0],
+            x.sum().double(),
+            x[0, 0].bfloat16(),
+        )
 
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
     with fake_mode:
@@ -99,9 +105,14 @@ def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
                 for b in values:
                     results += [a * b, a + b, torch.maximum(a, b.to(a.dtype)) if a.dim() >= b.dim() else a - b]
                 results += [(a * 0.5).sum(), a.abs().amax(), a.clamp_max(1.0).sqrt().reciprocal(), a.pow(3.0) / 2]
-                results += [torch.nn.functional.pad(a.reshape(-1), (1, 2)), torch.nn.functional.pad(a.reshape(-1), (2, 1)),
-                            a.sum(dim=0), a.to(torch.float64),
-                            torch.where(a > 0, a, 0.0), torch.linalg.vector_norm(a, dim=-1, keepdim=True)]
+                results += [
+                    torch.nn.functional.pad(a.reshape(-1), (1, 2)),
+                    torch.nn.functional.pad(a.reshape(-1), (2, 1)),
+                    a.sum(dim=0),
+                    a.to(torch.float64),
+                    torch.where(a > 0, a, 0.0),
+                    torch.linalg.vector_norm(a, dim=-1, keepdim=True),
+                ]
                 results += [a.reshape(-1)[1:].unsqueeze(0), a.reshape(-1, 1).t(), a.unsqueeze(-1).squeeze(-1)]
                 results += [a.reshape(-1)[i : i + 1].view([]) for i in range(min(3, a.numel()))]  # other offsets
                 results += [torch.nn.functional.pad(a, pad) for pad in ((1, 2), (2, 1), (3, 0))] if a.dim() else []
@@ -115,7 +126,11 @@ def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
             expected = node.target(*args, **node.kwargs)
         got = node.meta["val"]
         assert (got.shape, got.stride(), got.dtype, got.device, got.storage_offset()) == (
-            expected.shape, expected.stride(), expected.dtype, expected.device, expected.storage_offset()
+            expected.shape,
+            expected.stride(),
+            expected.dtype,
+            expected.device,
+            expected.storage_offset(),
         ), node.format_node()
         if node.target in _compat.VIEWS:  # a view shares its input's storage
             assert got.untyped_storage()._cdata == args[0].untyped_storage()._cdata, node.format_node()

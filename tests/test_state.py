@@ -20,8 +20,9 @@ import fxgrad
 
 def test_autoclip_matches_numpy_percentile_reference():
     reference = ref.AutoClip(percentile=90, history=10, blend=0.1)
-    backend, taus = run_both(fxgrad.autoclip(percentile=90, history=10, blend=0.1), reference.step, 32,
-                             spikes=(12, 20, 21))
+    backend, taus = run_both(
+        fxgrad.autoclip(percentile=90, history=10, blend=0.1), reference.step, 32, spikes=(12, 20, 21)
+    )
     assert backend.stats()["autoclip/threshold"].item() == pytest.approx(taus[-1], rel=1e-6)
 
 
@@ -36,8 +37,13 @@ def test_zclip_matches_reference_with_spikes():
 @pytest.mark.inductor
 def test_adaptive_clipping_under_inductor():
     reference = ref.ZClip(alpha=0.9, z_thresh=2.0, max_norm=5.0, warmup=3)
-    run_both(fxgrad.zclip(alpha=0.9, z_thresh=2.0, max_norm=5.0, warmup=3), reference.step, 20,
-             spikes=(10,), compiler="inductor")
+    run_both(
+        fxgrad.zclip(alpha=0.9, z_thresh=2.0, max_norm=5.0, warmup=3),
+        reference.step,
+        20,
+        spikes=(10,),
+        compiler="inductor",
+    )
 
 
 def test_monitor_records_norms_emas_and_spikes():
@@ -107,6 +113,7 @@ def nan_at(step_with_nan):
     def inject(model, step):
         if step == step_with_nan:
             model.net[0].weight.grad[0, 0] = float("nan")
+
     return inject
 
 
@@ -122,8 +129,9 @@ def test_nan_propagates_by_default():
 
 def test_zero_nonfinite_replaces_and_counts():
     model = models.MLP()
-    backend = fxgrad.backend(fxgrad.chain(fxgrad.zero_nonfinite(), fxgrad.clip_by_global_norm(1.0)),
-                             compiler="aot_eager")
+    backend = fxgrad.backend(
+        fxgrad.chain(fxgrad.zero_nonfinite(), fxgrad.clip_by_global_norm(1.0)), compiler="aot_eager"
+    )
     x = torch.randn(4, 16)
     x[0, 3] = float("inf")
     models.loss_of(backend.compile(model)(x)).backward()
@@ -137,8 +145,9 @@ def test_zero_nonfinite_replaces_and_counts():
 def test_skip_nonfinite_zeroes_the_step_and_step_if_finite_skips_it(scope):
     torch.manual_seed(0)
     model = models.MLP()
-    backend = fxgrad.backend(fxgrad.chain(fxgrad.skip_nonfinite(), fxgrad.clip_by_global_norm(1.0)),
-                             compiler="aot_eager", scope=scope)
+    backend = fxgrad.backend(
+        fxgrad.chain(fxgrad.skip_nonfinite(), fxgrad.clip_by_global_norm(1.0)), compiler="aot_eager", scope=scope
+    )
     compiled = backend.compile(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     for step in range(4):
@@ -168,8 +177,9 @@ def test_grad_scaler_parity_and_scale_changes_without_recompiling():
     eager = copy.deepcopy(model)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (model, eager)]
-    backend = fxgrad.backend(fxgrad.chain(fxgrad.monitor(), fxgrad.clip_by_global_norm(0.05)),
-                             compiler="aot_eager", scaler=scalers[0])
+    backend = fxgrad.backend(
+        fxgrad.chain(fxgrad.monitor(), fxgrad.clip_by_global_norm(0.05)), compiler="aot_eager", scaler=scalers[0]
+    )
     compiled = backend.compile(model)
     seen_scales = set()
     for step in range(8):
@@ -199,7 +209,6 @@ def test_scaler_refuses_policies_that_hide_nonfinite():
         fxgrad.backend(fxgrad.clip_by_norm(1.0), scaler=object())
 
 
-
 def test_a_disabled_scaler_is_no_scaler():
     """``GradScaler(enabled=use_amp)`` with AMP off (or a CUDA scaler on a CPU-only machine)."""
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -212,6 +221,7 @@ def test_a_disabled_scaler_is_no_scaler():
     models.loss_of(expected(x)).backward()
     ref.clip_global(expected, 1e-3)
     assert_grads_close(model, expected)
+
 
 def test_checkpoint_resume_matches_an_uninterrupted_run():
     policy = fxgrad.chain(fxgrad.monitor(), fxgrad.autoclip(history=6))
@@ -252,9 +262,16 @@ class TwoBranches(nn.Module):
         return self.head(torch.relu(self.a(x))).sum() + (self.b(x) * c).sum()
 
 
-@pytest.mark.parametrize("policy", [
-    fxgrad.monitor(), fxgrad.rescale(target="ema"), fxgrad.multi_normalize(), fxgrad.weight_norm_drift(every=2),
-], ids=repr)
+@pytest.mark.parametrize(
+    "policy",
+    [
+        fxgrad.monitor(),
+        fxgrad.rescale(target="ema"),
+        fxgrad.multi_normalize(),
+        fxgrad.weight_norm_drift(every=2),
+    ],
+    ids=repr,
+)
 def test_an_overflow_in_some_layers_leaves_every_layers_state(policy):
     """A GradScaler skips the whole step: the layers whose norms stayed finite must not advance."""
     model = TwoBranches()
@@ -304,8 +321,9 @@ def test_state_and_stats_survive_a_layer_frozen_every_other_step(scope):
     model = models.MLP()
     eager = copy.deepcopy(model)
     autoclip, monitor = ref.AutoClip(90, 8, 0.1), ref.Monitor(0.9, 3.0, 10)
-    backend = fxgrad.backend(fxgrad.chain(fxgrad.monitor(), fxgrad.autoclip(history=8)),
-                             compiler="aot_eager", scope=scope)
+    backend = fxgrad.backend(
+        fxgrad.chain(fxgrad.monitor(), fxgrad.autoclip(history=8)), compiler="aot_eager", scope=scope
+    )
     compiled = backend.compile(model)
     for step, x, weight in batches(8, spikes=(5,)):
         for m in (model, eager):
@@ -326,20 +344,25 @@ def test_state_and_stats_survive_a_layer_frozen_every_other_step(scope):
             assert stats[f"grad_norm_ema/{layer}"].item() == pytest.approx(values["grad_norm_ema"], rel=1e-5)
         assert stats["autoclip/threshold"].item() == pytest.approx(tau, rel=1e-5)
         assert stats["grad_norm/total"].item() == pytest.approx(
-            math.sqrt(sum(v["grad_norm"] ** 2 for v in expected.values())), rel=1e-5)
+            math.sqrt(sum(v["grad_norm"] ** 2 for v in expected.values())), rel=1e-5
+        )
     state = backend.state_dict()
     assert state["1.autoclip/count"].item() == 8
     assert state["0.monitor/count/net.0"].item() == 8 and state["0.monitor/count/net.3"].item() == 4
 
 
-@pytest.mark.parametrize("policy", [
-    fxgrad.chain(fxgrad.monitor(), fxgrad.rescale(target="ema", decay=0.5)),
-    fxgrad.rescale(alpha=0.5, every=2),
-    fxgrad.multi_normalize(),
-    fxgrad.weight_norm_drift(every=2),
-])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        fxgrad.chain(fxgrad.monitor(), fxgrad.rescale(target="ema", decay=0.5)),
+        fxgrad.rescale(alpha=0.5, every=2),
+        fxgrad.multi_normalize(),
+        fxgrad.weight_norm_drift(every=2),
+    ],
+)
 def test_an_overflow_step_leaves_no_nonfinite_state(policy):
     """Steps after an Inf/NaN step equal a run without it (a GradScaler skips such steps)."""
+
     def run(steps):
         torch.manual_seed(0)
         model = models.MLP()

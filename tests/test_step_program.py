@@ -15,7 +15,10 @@ from fxgrad.core.rule import ScaleLeaf
 from fxgrad.frontend.step_program import StepPrograms
 
 POLICY = fxgrad.chain(
-    fxgrad.monitor(), fxgrad.rescale(), fxgrad.clip_by_norm(1e-2), fxgrad.zclip(warmup=3),
+    fxgrad.monitor(),
+    fxgrad.rescale(),
+    fxgrad.clip_by_norm(1e-2),
+    fxgrad.zclip(warmup=3),
     fxgrad.adaptive_grad_clip(0.01),
 )
 COMPILERS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)]

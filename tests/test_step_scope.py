@@ -97,8 +97,7 @@ def test_step_scope_with_grad_scaler():
     model, eager = mlp_and_copy()
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in (model, eager)]
-    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step",
-                             scaler=scalers[0])
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step", scaler=scalers[0])
     x = torch.randn(8, 16)
     scalers[0].scale(models.loss_of(backend.compile(model)(x))).backward()
     backend.step()  # before unscale_: it reads the scale and clips in unscaled units

@@ -133,10 +133,13 @@ def test_transforms_are_immutable_and_readable():
     assert eval(repr(normalizing), vars(fxgrad)) == normalizing
 
 
-@pytest.mark.parametrize("kwargs,error,argument", [
-    ({"mode": "max-autotune"}, ValueError, "compiler='aot_eager'"),
-    ({"options": {"max_autotune": True}}, ValueError, "compiler='aot_eager'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,argument",
+    [
+        ({"mode": "max-autotune"}, ValueError, "compiler='aot_eager'"),
+        ({"options": {"max_autotune": True}}, ValueError, "compiler='aot_eager'"),
+    ],
+)
 def test_inductor_settings_with_aot_eager_are_refused(kwargs, error, argument):
     backend = fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager")
     with pytest.raises(error, match=argument):

@@ -131,9 +131,7 @@ class ParamRow(NamedTuple):
     numel: int
 
 
-def build_layers(
-    rows: Iterable[ParamRow], order: Sequence[str], skip: Sequence[SkipEntry]
-) -> list[Layer]:
+def build_layers(rows: Iterable[ParamRow], order: Sequence[str], skip: Sequence[SkipEntry]) -> list[Layer]:
     """Group parameter rows into layers, in the order the rows come.
 
     ``order`` is the forward order of all layers known for the model; a layer's

@@ -205,8 +205,14 @@ def rule(cls: L) -> L:
     return cls
 
 
-def field(default: Any = dataclasses.MISSING, *, shown: Callable[[Any], bool] | None = None,
-          text: Callable[[Any], str] | None = None, config: str | None = None, kw_only: bool = False) -> Any:
+def field(
+    default: Any = dataclasses.MISSING,
+    *,
+    shown: Callable[[Any], bool] | None = None,
+    text: Callable[[Any], str] | None = None,
+    config: str | None = None,
+    kw_only: bool = False,
+) -> Any:
     """A rule field with a default.
 
     ``shown(rule)`` says whether ``repr`` prints it (always by default);

@@ -50,8 +50,9 @@ def norm_type(value: Any) -> float:
 MAX_STEP = 2**53
 
 
-def positive_int(name: str, value: Any, maximum: int = MAX_STEP, why: str = "steps are counted in float64",
-                 minimum: int = 1) -> int:
+def positive_int(
+    name: str, value: Any, maximum: int = MAX_STEP, why: str = "steps are counted in float64", minimum: int = 1
+) -> int:
     """An int in ``[minimum, maximum]`` (bools refused); ``why`` explains the upper bound."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r}")

@@ -66,8 +66,7 @@ class Backend:
     ) -> None:
         if transform is not None and not isinstance(transform, Transform):
             raise TypeError(
-                f"transform must be an fxgrad transform or None, got {transform!r} "
-                f"({type(transform).__name__})"
+                f"transform must be an fxgrad transform or None, got {transform!r} ({type(transform).__name__})"
             )
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
@@ -115,8 +114,9 @@ class Backend:
 
     # ------------------------------------------------------------ compiling
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None,
-                 options: dict | None = None) -> Any:
+    def __call__(
+        self, gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None
+    ) -> Any:
         """Compile one Dynamo graph; ``mode`` and ``options`` are ``torch.compile``'s, for Inductor."""
         patches = _compat.inductor_config_patches(mode, options)
         graph = capture(gm, example_inputs, self.registry.roots)
@@ -228,7 +228,9 @@ class Backend:
         slots = [slot for slot in sorted(has_grad) if slot in names]
         returned = gm.graph.output_node().args[0]
         graph.inserted = render_inserted(
-            gm, {outputs[slot]: names[slot] for slot in slots}, {names[slot]: returned[slot] for slot in slots},
+            gm,
+            {outputs[slot]: names[slot] for slot in slots},
+            {names[slot]: returned[slot] for slot in slots},
             group_label,
         )
 
@@ -243,8 +245,9 @@ class Backend:
         before. No host sync; see :mod:`fxgrad.step`.
         """
         if self.current_scope() != "step":
-            raise RuntimeError("step() needs fxgrad.backend(..., scope='step'); this backend rewrites "
-                               "the backward graphs instead")
+            raise RuntimeError(
+                "step() needs fxgrad.backend(..., scope='step'); this backend rewrites the backward graphs instead"
+            )
         if self._step is None:
             return
         if model is not None and all(ref() is not model for ref in self._models):
@@ -257,12 +260,14 @@ class Backend:
 
     def _step_models(self) -> list[tuple[nn.Module, str]]:
         models = [(ref(), "") for ref in self._models if ref() is not None]
-        return models + [(root.module(), root.prefix) for root in self.registry.roots.values()
-                         if root.module() is not None]
+        return models + [
+            (root.module(), root.prefix) for root in self.registry.roots.values() if root.module() is not None
+        ]
 
     def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any) -> None:
-        apply_to_grads(self.transform, models, self.skip, self.store, scaler, self.registry.forward_order(),
-                       self._programs)
+        apply_to_grads(
+            self.transform, models, self.skip, self.store, scaler, self.registry.forward_order(), self._programs
+        )
 
     # ------------------------------------------------------------ state
 
@@ -307,8 +312,10 @@ class Backend:
         unknown = sorted(key for key in state if not isinstance(key, str) or not key.startswith(tuple(owners)))
         if unknown:
             shown = ", ".join(map(repr, unknown[:5])) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-            raise ValueError(f"state has keys no transform of {self.transform!r} owns: {shown}. Its keys start "
-                             f"with <position>.<transform>/: {', '.join(owners) or 'none (no transform)'}")
+            raise ValueError(
+                f"state has keys no transform of {self.transform!r} owns: {shown}. Its keys start "
+                f"with <position>.<transform>/: {', '.join(owners) or 'none (no transform)'}"
+            )
         self.store.load_state_dict(state)
 
 
@@ -385,5 +392,6 @@ def backend(
         >>> model = torch.compile(torch.nn.Linear(3, 3),
         ...                       backend=fxgrad.backend(fxgrad.clip_by_norm(1.0)))
     """
-    return Backend(transform, skip=skip, compiler=compiler, strict=strict, keep_code=keep_code, scaler=scaler,
-                   scope=scope)
+    return Backend(
+        transform, skip=skip, compiler=compiler, strict=strict, keep_code=keep_code, scaler=scaler, scope=scope
+    )

@@ -89,7 +89,7 @@ def parse_transform(spec: Any) -> Transform:
         return composition.chain(*(parse_transform(item) for item in spec))
     if not (isinstance(spec, Mapping) and len(spec) == 1):
         raise ValueError(f"a transform is {{'<name>': {{arguments}}}} or a list of them, got {spec!r}")
-    (name, arguments), = spec.items()
+    ((name, arguments),) = spec.items()
     if name not in RULES and name not in ROUTERS:
         chain = " (a chain is written as a list of transforms)" if name == "chain" else ""
         raise ValueError(f"unknown transform {name!r}{chain}; known: {sorted(RULES) + sorted(ROUTERS)}")
@@ -115,7 +115,7 @@ def _step(key: Any) -> Any:
 
 def _type_or_pattern(entry: Any) -> Any:
     if isinstance(entry, str) and entry.startswith("type:"):
-        return import_class(entry[len("type:"):])
+        return import_class(entry[len("type:") :])
     return entry
 
 

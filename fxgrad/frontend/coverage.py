@@ -79,8 +79,7 @@ def find_gaps(
         missing = [(layer, locate(layer.name)) for layer in want.layers if layer.name not in have_params]
         present = [layer for layer in want.layers if layer.name in have_params]
         split = [
-            (layer, f"only {len(have_params[layer.name])} of its {len(layer.params)} parameters "
-                    "are in this graph")
+            (layer, f"only {len(have_params[layer.name])} of its {len(layer.params)} parameters are in this graph")
             for layer in present
             if have_params[layer.name] != set(layer.params)
         ]
@@ -108,8 +107,11 @@ def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model:
     trainable, frozen = model_rows(model, "")
     layers = build_layers(trainable + frozen, (), skip)
     misses = transform.unmatched(layers) if transform is not None else []
-    misses += [f"skip entry {entry!r} matches no layer ({WHAT_IS_A_LAYER})" for entry in skip
-               if entry not in DEFAULT_SKIP and not any(match.matches(entry, layer) for layer in layers)]
+    misses += [
+        f"skip entry {entry!r} matches no layer ({WHAT_IS_A_LAYER})"
+        for entry in skip
+        if entry not in DEFAULT_SKIP and not any(match.matches(entry, layer) for layer in layers)
+    ]
     return [f"fxgrad: in {type(model).__name__}, {miss}. It does nothing." for miss in misses]
 
 
@@ -182,8 +184,11 @@ class CoverageCheck:
         if frozen_targeted:
             names = ", ".join(layer.name for layer in frozen_targeted[:20])
             more = f" and {len(frozen_targeted) - 20} more" if len(frozen_targeted) > 20 else ""
-            count = "1 layer the policy targets is" if len(frozen_targeted) == 1 else \
-                f"{len(frozen_targeted)} layers the policy targets are"
+            count = (
+                "1 layer the policy targets is"
+                if len(frozen_targeted) == 1
+                else f"{len(frozen_targeted)} layers the policy targets are"
+            )
             self.warn(f"fxgrad: {count} frozen (requires_grad=False) and get no gradient: {names}{more}")
 
     def ran_eagerly(self, model: nn.Module, first: bool) -> None:
@@ -194,9 +199,11 @@ class CoverageCheck:
         if first:
             why = f"no graph of {type(model).__name__} reached the backend, so torch.compile ran it eagerly"
         else:
-            why = (f"a forward of {type(model).__name__} ran no compiled graph: Dynamo ran it eagerly, as it "
-                   "does once a frame was recompiled torch._dynamo.config.recompile_limit times (e.g. once "
-                   "per new input shape; mark the dimension dynamic or raise the limit)")
+            why = (
+                f"a forward of {type(model).__name__} ran no compiled graph: Dynamo ran it eagerly, as it "
+                "does once a frame was recompiled torch._dynamo.config.recompile_limit times (e.g. once "
+                "per new input shape; mark the dimension dynamic or raise the limit)"
+            )
         message = f"fxgrad: {why}, and the policy {self.transform!r} does nothing.{rnn_hint(layers)}"
         if self.strict and any(route.leaf.reach == "group" for route in self.transform.routes(layers)):
             raise CoverageError(message)

@@ -1,14 +1,14 @@
 """``fxgrad.explain``: what a policy does to a model, layer by layer.
 
-    >>> import torch, fxgrad
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    >>> report = fxgrad.explain(model, torch.randn(2, 4),
-    ...     backend=fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager"))
-    >>> print(report.table())
-    policy: clip_by_norm(max_norm=1.0)
-    layer  type       params  action
-    0      Linear         20  clip_by_norm(max_norm=1.0)
-    1      LayerNorm       8  skipped: is a LayerNorm
+>>> import torch, fxgrad
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+>>> report = fxgrad.explain(model, torch.randn(2, 4),
+...     backend=fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager"))
+>>> print(report.table())
+policy: clip_by_norm(max_norm=1.0)
+layer  type       params  action
+0      Linear         20  clip_by_norm(max_norm=1.0)
+1      LayerNorm       8  skipped: is a LayerNorm
 """
 
 from __future__ import annotations
@@ -115,7 +115,11 @@ def explain(model: nn.Module, *args: Any, backend: Backend, **kwargs: Any) -> Re
         raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
     # A GradScaler has no scale before its first scaled backward, and this one is unscaled.
     probe = Backend(
-        backend.transform, skip=backend.skip, compiler=backend.compiler, strict=False, keep_code=True,
+        backend.transform,
+        skip=backend.skip,
+        compiler=backend.compiler,
+        strict=False,
+        keep_code=True,
         scope=backend.scope,
     )
     with _restored(model), warnings.catch_warnings(record=True) as caught:
@@ -147,8 +151,11 @@ def _decisions(model: nn.Module, probe: Backend, step_scope: list | None) -> lis
         info.trainable |= owner.tensor.requires_grad
     actions: dict[str, list[str]] = {}
     seen: set[str] = set(layers) if step_scope is not None else set()  # step scope sees every .grad
-    routes = [route for _, route in step_scope] if step_scope is not None else [
-        route for graph in probe.graphs for route in graph.routes]
+    routes = (
+        [route for _, route in step_scope]
+        if step_scope is not None
+        else [route for graph in probe.graphs for route in graph.routes]
+    )
     for graph in probe.graphs:
         seen |= {layer.name for layer in graph.layers}
     for route in routes:

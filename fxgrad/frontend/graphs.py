@@ -60,8 +60,9 @@ class GraphRegistry:
     def add(self, graph: CapturedGraph) -> None:
         # Dynamo discards the graphs of an analysis it restarted (same compile id), and
         # every graph on torch._dynamo.reset().
-        self.graphs = [g for g in self.graphs
-                       if g.live() and (g.compile_id != graph.compile_id or g.attempt >= graph.attempt)]
+        self.graphs = [
+            g for g in self.graphs if g.live() and (g.compile_id != graph.compile_id or g.attempt >= graph.attempt)
+        ]
         self.graphs.append(graph)
         self._frames.setdefault(graph.compile_id[0], len(self._frames))
         self._forward_order = merged_order(self._forward_order, dict.fromkeys(p.layer for p in graph.params))

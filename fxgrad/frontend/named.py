@@ -29,8 +29,9 @@ _without_model: dict[str, Backend] = {}  # graphs whose parameters no module own
 _latest: dict[str, Backend] = {}
 
 
-def fxgrad_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
-                   mode: str | None = None) -> Any:
+def fxgrad_backend(
+    gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None, mode: str | None = None
+) -> Any:
     """Dynamo calls this once per graph; graphs of one model with the same options share
     one Backend (its state and statistics), other models get their own. ``options`` is
     the policy; ``mode`` is ``torch.compile``'s, for Inductor."""

@@ -1,8 +1,8 @@
 """Policy + layers -> plan: the layers of one backward graph and the routes over them.
 
-    plan = plan_graph(policy, graph, has_grad={0, 1, 3}, order=[...], skip=DEFAULT_SKIP)
-    plan.slots["fc1"]        # backward output slots of fc1's gradients
-    plan.active_routes()     # the routes that select at least one layer
+plan = plan_graph(policy, graph, has_grad={0, 1, 3}, order=[...], skip=DEFAULT_SKIP)
+plan.slots["fc1"]        # backward output slots of fc1's gradients
+plan.active_routes()     # the routes that select at least one layer
 """
 
 from __future__ import annotations
@@ -43,4 +43,3 @@ def plan_graph(
         slots[p.layer] = slots.get(p.layer, ()) + (p.index,)
     routes = transform.routes(layers) if transform is not None else []
     return GraphPlan(tuple(layers), slots, tuple(routes))
-

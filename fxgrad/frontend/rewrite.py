@@ -67,6 +67,14 @@ def record_policy(
     recorder = GraphRecorder(gm, _compat.detect_fake_mode(values), _compat.inductor_decompositions())
     tensors = {name: [recorder.bind(node) for node in nodes] for name, nodes in grads.items()}
     with recorder.recording():
-        run_policy(routes, tensors, store, values[0].device, scaler, params, frame,
-                   set_label=lambda label: setattr(recorder, "label", label))
+        run_policy(
+            routes,
+            tensors,
+            store,
+            values[0].device,
+            scaler,
+            params,
+            frame,
+            set_label=lambda label: setattr(recorder, "label", label),
+        )
     return {name: [recorder.node(tensor) for tensor in new] for name, new in tensors.items()}

@@ -41,8 +41,7 @@ class StepPrograms:
         self._programs: dict[tuple, Callable[..., Any]] = {}
         self._broken: str | None = None  # why building failed; then every step runs eagerly
 
-    def run(self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore,
-            scaler: Any) -> bool:
+    def run(self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore, scaler: Any) -> bool:
         """Apply ``routes`` to the ``.grad`` of the parameters of ``owners`` in place, grouped by
         layer as the routes expect; ``False`` if it cannot (the caller then runs the rules eagerly)."""
         grads = [o.tensor.grad for o in owners]
@@ -55,16 +54,21 @@ class StepPrograms:
                 program = self._build(routes, owners, store, scaler)
             except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
                 self._broken = f"{type(error).__name__}: {error}"
-                warnings.warn(f"fxgrad: the compiled step program could not be built ({self._broken}); "
-                              "scope='step' runs the policy eagerly, one op at a time", RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"fxgrad: the compiled step program could not be built ({self._broken}); "
+                    "scope='step' runs the policy eagerly, one op at a time",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
                 return False
             self._programs[key] = program
         with torch.no_grad():
             program(*grads)
         return True
 
-    def _build(self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore,
-               scaler: Any) -> Callable[..., Any]:
+    def _build(
+        self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore, scaler: Any
+    ) -> Callable[..., Any]:
         gm, inputs = _gradient_graph(owners)
         weights = {o.param: weakref.ref(o.tensor) for o in owners}  # read at run time, by weight-reading rules
         lookup = lambda names: [weights[name]() for name in names]  # noqa: E731
@@ -96,6 +100,8 @@ def _gradient_graph(owners: Sequence[Owner]) -> tuple[torch.fx.GraphModule, dict
 
 
 def _layout(routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], scaled: bool) -> tuple:
-    grads = tuple((id(o.tensor), tuple(o.tensor.grad.shape), o.tensor.grad.stride(), o.tensor.grad.dtype,
-                   o.tensor.grad.device) for o in owners)
+    grads = tuple(
+        (id(o.tensor), tuple(o.tensor.grad.shape), o.tensor.grad.stride(), o.tensor.grad.dtype, o.tensor.grad.device)
+        for o in owners
+    )
     return tuple(routes), grads, scaled

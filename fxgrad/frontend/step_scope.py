@@ -47,8 +47,9 @@ from fxgrad.runtime.executor import run_policy
 from fxgrad.runtime.state import StateStore
 
 
-def step_routes(transform: Transform, models: Sequence[tuple[nn.Module, str]], skip: Sequence[SkipEntry],
-                order: Sequence[str] = ()) -> tuple[list[Owner], list[tuple[int, Route]]]:
+def step_routes(
+    transform: Transform, models: Sequence[tuple[nn.Module, str]], skip: Sequence[SkipEntry], order: Sequence[str] = ()
+) -> tuple[list[Owner], list[tuple[int, Route]]]:
     """The parameters that have a gradient, and the transform's non-empty routes over them."""
     owners: dict[int, Owner] = {}
     for model, prefix in models:
@@ -121,8 +122,13 @@ class StepScope:
         if not self._changed(_parameters(models)):
             return
         self.run(models, scaler)
-        self._seen.update({id(p): (weakref.ref(p.grad), _compat.tensor_version(p.grad))
-                           for p in _parameters(models) if p.grad is not None})
+        self._seen.update(
+            {
+                id(p): (weakref.ref(p.grad), _compat.tensor_version(p.grad))
+                for p in _parameters(models)
+                if p.grad is not None
+            }
+        )
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         models = self.models()

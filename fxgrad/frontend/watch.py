@@ -54,6 +54,7 @@ BYPASSED = (
     "torch.compile(model.method, backend=backend)."
 )
 
+
 @dataclasses.dataclass
 class _Shared:
     """What the compiled modules of one model share, whatever their backend or scope."""
@@ -93,8 +94,9 @@ class ForwardWatch:
     ``in_graph()`` tells whether the policy runs in the graph (``scope``).
     """
 
-    def __init__(self, model: nn.Module, coverage: CoverageCheck, graph_runs: Callable[[], int],
-                 in_graph: Callable[[], bool]) -> None:
+    def __init__(
+        self, model: nn.Module, coverage: CoverageCheck, graph_runs: Callable[[], int], in_graph: Callable[[], bool]
+    ) -> None:
         self.model, self.coverage = model, coverage
         self.graph_runs, self.in_graph = graph_runs, in_graph
         self._runs_before = 0
@@ -103,8 +105,9 @@ class ForwardWatch:
         # One parameter's .grad tells accumulation apart from a fresh step: the version
         # its gradient had when backward last wrote it is still current unless someone
         # zeroed it (zero_grad(set_to_none=False) bumps the version; set_to_none drops it).
-        self._probe_name, self._probe = next(((n, p) for n, p in model.named_parameters() if p.requires_grad),
-                                             (None, None))
+        self._probe_name, self._probe = next(
+            ((n, p) for n, p in model.named_parameters() if p.requires_grad), (None, None)
+        )
         owner, _, self._probe_attr = (self._probe_name or "").rpartition(".")
         self._probe_owner = model.get_submodule(owner) if self._probe is not None else None
         self._written_version: int | None = None
@@ -135,10 +138,12 @@ class ForwardWatch:
         self._written_version = _compat.tensor_version(param.grad)
         # Only for the newest compiled module of the model: compiling it again (another
         # backend or scope, explain(), a notebook cell run twice) leaves this hook behind.
-        if (self._shared.passes == self._passes_seen and self.in_graph()
-                and self._shared.newest() is self._compiled()):
-            self.coverage.warn(BYPASSED.format(param=self._probe_name, model=type(self.model).__name__,
-                                               transform=self.coverage.transform))
+        if self._shared.passes == self._passes_seen and self.in_graph() and self._shared.newest() is self._compiled():
+            self.coverage.warn(
+                BYPASSED.format(
+                    param=self._probe_name, model=type(self.model).__name__, transform=self.coverage.transform
+                )
+            )
         self._passes_seen = self._shared.passes
 
     def _before(self, module: nn.Module, args: Any) -> None:

@@ -112,9 +112,7 @@ class CapturedGraph:
 _SIMPLE_SOURCE = re.compile(r"^[LG]\['([^']+)'\]$")
 
 
-def capture(
-    gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int, Root]
-) -> CapturedGraph:
+def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int, Root]) -> CapturedGraph:
     """Map ``gm``'s parameter inputs to layers; new models are added to ``roots``."""
     if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
         raise NotImplementedError(
@@ -123,12 +121,11 @@ def capture(
         )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
-        raise RuntimeError(
-            f"graph has {len(placeholders)} inputs but the backend got {len(example_inputs)} values"
-        )
+        raise RuntimeError(f"graph has {len(placeholders)} inputs but the backend got {len(example_inputs)} values")
     scope = _compat.current_frame_scope()
-    owners = {key: parameter_owners(root.module(), root.prefix)
-              for key, root in roots.items() if root.module() is not None}
+    owners = {
+        key: parameter_owners(root.module(), root.prefix) for key, root in roots.items() if root.module() is not None
+    }
     found = []
     for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
         if isinstance(value, nn.Parameter):
@@ -171,16 +168,16 @@ def capture(
     return CapturedGraph(compile_id, attempt, len(placeholders), params, renamed_roots=renamed)
 
 
-def graph_model(gm: torch.fx.GraphModule, example_inputs: Sequence,
-                known: Sequence[nn.Module] = ()) -> nn.Module | None:
+def graph_model(
+    gm: torch.fx.GraphModule, example_inputs: Sequence, known: Sequence[nn.Module] = ()
+) -> nn.Module | None:
     """The model a graph's parameters belong to: one of ``known`` that owns the first
     parameter, else the outermost module on its source in the frame being compiled."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
         if isinstance(value, nn.Parameter):
             owner = next((m for m in known if any(p is value for p in m.parameters())), None)
-            return owner if owner is not None else _find_root(_compat.source_chain(node),
-                                                               _compat.current_frame_scope())
+            return owner if owner is not None else _find_root(_compat.source_chain(node), _compat.current_frame_scope())
     return None
 
 

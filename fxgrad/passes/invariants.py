@@ -1,8 +1,8 @@
 """Check that a rewrite kept the backward graph's contract.
 
-    signature = output_signature(bw_gm)
-    ...  # rewrite
-    check_outputs(bw_gm, signature)   # raises if a gradient changed shape or dtype
+signature = output_signature(bw_gm)
+...  # rewrite
+check_outputs(bw_gm, signature)   # raises if a gradient changed shape or dtype
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ def check_outputs(gm: torch.fx.GraphModule, before: OutputSignature) -> None:
     after = output_signature(gm)
     if len(after.slots) != len(before.slots):
         raise AssertionError(
-            f"rewrite changed the number of backward outputs: {len(before.slots)} -> "
-            f"{len(after.slots)}"
+            f"rewrite changed the number of backward outputs: {len(before.slots)} -> {len(after.slots)}"
         )
     for i, (old, new) in enumerate(zip(before.slots, after.slots)):
         if old != new:

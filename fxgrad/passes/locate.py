@@ -18,9 +18,7 @@ class GraphMismatchError(RuntimeError):
     """The backward graph does not have one output per forward input."""
 
 
-def gradient_outputs(
-    gm: torch.fx.GraphModule, num_forward_inputs: int
-) -> list[torch.fx.Node | None]:
+def gradient_outputs(gm: torch.fx.GraphModule, num_forward_inputs: int) -> list[torch.fx.Node | None]:
     """One entry per forward input: the node holding its gradient, or ``None``.
 
     Raises :class:`GraphMismatchError` when the counts differ (AOTAutograd can
@@ -36,9 +34,7 @@ def gradient_outputs(
     return [node if isinstance(node, torch.fx.Node) else None for node in outputs]
 
 
-def replace_gradient_outputs(
-    gm: torch.fx.GraphModule, replacements: Mapping[int, torch.fx.Node]
-) -> None:
+def replace_gradient_outputs(gm: torch.fx.GraphModule, replacements: Mapping[int, torch.fx.Node]) -> None:
     """Make output slot ``i`` return ``replacements[i]``; other slots stay as they are."""
     output = gm.graph.output_node()
     values: Sequence = output.args[0]

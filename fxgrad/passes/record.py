@@ -43,7 +43,6 @@ from fxgrad.passes import PREFIX, TAG
 aten = torch.ops.aten
 
 
-
 class GraphRecorder(TorchDispatchMode):
     """A dispatch mode that appends every op it sees to ``gm``'s graph."""
 
@@ -98,8 +97,9 @@ class GraphRecorder(TorchDispatchMode):
         elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
             node = self._record(func, args, kwargs, tuple(result))
             for i, item in enumerate(result):
-                getitem = self.graph.create_node("call_function", operator.getitem, (node, i), {},
-                                                 name=PREFIX + "getitem")
+                getitem = self.graph.create_node(
+                    "call_function", operator.getitem, (node, i), {}, name=PREFIX + "getitem"
+                )
                 self._tag(getitem, item)
         return result
 
@@ -150,8 +150,11 @@ class GraphRecorder(TorchDispatchMode):
             raise _NotPlain
 
         try:
-            return (func, key(_compat.shape_arguments(func, args)),
-                    tuple(sorted((name, key(v)) for name, v in kwargs.items())))
+            return (
+                func,
+                key(_compat.shape_arguments(func, args)),
+                tuple(sorted((name, key(v)) for name, v in kwargs.items())),
+            )
         except _NotPlain:
             return None
 
@@ -177,4 +180,3 @@ class GraphRecorder(TorchDispatchMode):
 
 class _NotPlain(Exception):
     """An argument whose effect on the result's metadata is unknown (a SymInt, a subclass)."""
-

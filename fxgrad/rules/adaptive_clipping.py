@@ -72,8 +72,9 @@ class AutoClip(ScaleLeaf):
         blend = validate.real_number("blend", self.blend)
         if not 0 < blend <= 1:
             raise ValueError(f"blend must be in (0, 1], got {blend!r}")
-        history = validate.positive_int("history", self.history, BUFFER_MAX,
-                                        "a buffer on the device, sorted every step")
+        history = validate.positive_int(
+            "history", self.history, BUFFER_MAX, "a buffer on the device, sorted every step"
+        )
         self.set(percentile=percentile, history=history, blend=blend)
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
@@ -142,15 +143,20 @@ class ZClip(ScaleLeaf):
         alpha = validate.real_number("alpha", self.alpha)
         if not 0 < alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
-        self.set(alpha=alpha, z_thresh=validate.positive("z_thresh", self.z_thresh, allow_inf=False),
-                 max_norm=None if self.max_norm is None else validate.positive("max_norm", self.max_norm),
-                 warmup=validate.positive_int("warmup", self.warmup, BUFFER_MAX,
-                                              "its norms are kept in a buffer on the device"))
+        self.set(
+            alpha=alpha,
+            z_thresh=validate.positive("z_thresh", self.z_thresh, allow_inf=False),
+            max_norm=None if self.max_norm is None else validate.positive("max_norm", self.max_norm),
+            warmup=validate.positive_int(
+                "warmup", self.warmup, BUFFER_MAX, "its norms are kept in a buffer on the device"
+            ),
+        )
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         total = norm_math.group_norm(stats, 2.0).to(torch.float64)
-        state = ctx.state(shared={"warmup_norms": ((self.warmup,), 0.0), "count": ((), 0.0),
-                                  "mean": ((), 0.0), "var": ((), 0.0)})
+        state = ctx.state(
+            shared={"warmup_norms": ((self.warmup,), 0.0), "count": ((), 0.0), "mean": ((), 0.0), "var": ((), 0.0)}
+        )
         count, mean, var = state["count"], state["mean"], state["var"]
         finite = torch.isfinite(total)
         warming = count < self.warmup
@@ -178,8 +184,7 @@ class ZClip(ScaleLeaf):
         update = finite  # a non-finite norm propagates to the gradients but not into the state
         mean_out = torch.where(update, torch.where(warming, torch.where(initialise, first_mean, mean), new_mean), mean)
         var_out = torch.where(update, torch.where(warming, torch.where(initialise, first_var, var), new_var), var)
-        ctx.save(state, warmup_norms=collected, count=count + finite.to(torch.float64),
-                 mean=mean_out, var=var_out)
+        ctx.save(state, warmup_norms=collected, count=count + finite.to(torch.float64), mean=mean_out, var=var_out)
         coef = torch.where(warming, warm_coef, coef_after)
         ctx.emit("zclip/z", torch.where(warming, torch.zeros_like(z), z))
         ctx.emit("zclip/mean", mean_out)
@@ -252,10 +257,13 @@ class AdaGC(Leaf):
         beta = validate.real_number("beta", self.beta)
         if not 0 <= beta < 1:
             raise ValueError(f"beta must be in [0, 1), got {self.beta!r}")
-        self.set(lambda_abs=validate.positive("lambda_abs", self.lambda_abs),
-                 lambda_rel=validate.positive("lambda_rel", self.lambda_rel, allow_inf=False),
-                 beta=beta, warmup=validate.positive_int("warmup", self.warmup, minimum=0),
-                 eps=validate.positive("eps", self.eps, allow_inf=False))
+        self.set(
+            lambda_abs=validate.positive("lambda_abs", self.lambda_abs),
+            lambda_rel=validate.positive("lambda_rel", self.lambda_rel, allow_inf=False),
+            beta=beta,
+            warmup=validate.positive_int("warmup", self.warmup, minimum=0),
+            eps=validate.positive("eps", self.eps, allow_inf=False),
+        )
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
         flat_grads = [g for group in grads for g in group]

@@ -144,8 +144,10 @@ class AdaptiveGradClip(Leaf):
     eps: float = 1e-3
 
     def __post_init__(self) -> None:
-        self.set(clipping=validate.positive("clipping", self.clipping, allow_inf=False),
-                 eps=validate.positive("eps", self.eps, allow_inf=False))
+        self.set(
+            clipping=validate.positive("clipping", self.clipping, allow_inf=False),
+            eps=validate.positive("eps", self.eps, allow_inf=False),
+        )
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
         weight_norms = ctx.weight_row_norms()

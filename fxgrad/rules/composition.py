@@ -1,8 +1,8 @@
 """Composition: ``chain`` applies transforms one after the other.
 
-    >>> import fxgrad
-    >>> fxgrad.chain(fxgrad.rescale(alpha=0.5), fxgrad.clip_by_global_norm(1.0))
-    chain(rescale(alpha=0.5, target='mean'), clip_by_global_norm(max_norm=1.0))
+>>> import fxgrad
+>>> fxgrad.chain(fxgrad.rescale(alpha=0.5), fxgrad.clip_by_global_norm(1.0))
+chain(rescale(alpha=0.5, target='mean'), clip_by_global_norm(max_norm=1.0))
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ class Chain(Transform):
 def chain(*transforms: Transform) -> Chain:
     """Apply ``transforms`` one after the other, each to the previous one's output.
 
-        >>> import fxgrad
-        >>> fxgrad.chain(fxgrad.clip_by_value(5.0), fxgrad.clip_by_global_norm(1.0))
-        chain(clip_by_value(clip_value=5.0), clip_by_global_norm(max_norm=1.0))
+    >>> import fxgrad
+    >>> fxgrad.chain(fxgrad.clip_by_value(5.0), fxgrad.clip_by_global_norm(1.0))
+    chain(clip_by_value(clip_value=5.0), clip_by_global_norm(max_norm=1.0))
     """
     if not transforms:
         raise ValueError("chain() needs at least one transform")

@@ -1,9 +1,9 @@
 """Per-layer gradient-norm monitoring on the device: ``fxgrad.monitor``.
 
-    policy = fxgrad.chain(fxgrad.monitor(), fxgrad.rescale(), fxgrad.clip_by_norm(1.0))
-    ...
-    backend.stats()["grad_norm/fc1"]          # before the transforms after monitor
-    backend.stats()["grad_norm_clipped/fc1"]  # after the whole policy
+policy = fxgrad.chain(fxgrad.monitor(), fxgrad.rescale(), fxgrad.clip_by_norm(1.0))
+...
+backend.stats()["grad_norm/fc1"]          # before the transforms after monitor
+backend.stats()["grad_norm_clipped/fc1"]  # after the whole policy
 """
 
 from __future__ import annotations
@@ -58,9 +58,11 @@ class Monitor(ScaleLeaf):
     def __post_init__(self) -> None:
         if not isinstance(self.weights, bool):
             raise TypeError(f"weights must be a bool, got {self.weights!r}")
-        self.set(ema=validate.fraction("ema", self.ema),
-                 spike_z=validate.positive("spike_z", self.spike_z, allow_inf=False),
-                 warmup=validate.positive_int("warmup", self.warmup))
+        self.set(
+            ema=validate.fraction("ema", self.ema),
+            spike_z=validate.positive("spike_z", self.spike_z, allow_inf=False),
+            warmup=validate.positive_int("warmup", self.warmup),
+        )
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         norm = flat(s.norm(2.0) for s in stats)

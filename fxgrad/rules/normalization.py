@@ -61,8 +61,10 @@ class Normalize(ScaleLeaf):
     def __post_init__(self) -> None:
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
-        self.set(scale=validate.positive("scale", self.scale, allow_inf=False),
-                 eps=validate.positive("eps", self.eps, allow_inf=False))
+        self.set(
+            scale=validate.positive("scale", self.scale, allow_inf=False),
+            eps=validate.positive("eps", self.eps, allow_inf=False),
+        )
 
     @property
     def norm_orders(self) -> tuple[float, ...]:
@@ -122,23 +124,40 @@ class MultiNormalize(ScaleLeaf):
     # writes a one-piece schedule as the short argument.
     norms: tuple[str, ...] = field(("l2", "linf"), shown=lambda rule: len(rule.schedule) == 1)
     switching_threshold: float = field(0.1, shown=lambda rule: len(rule.thresholds) == 1)
-    schedule: Pieces | None = field(None, shown=lambda rule: len(rule.schedule) > 1, text=lambda v: repr(dict(v)),
-                                    config="step_keys")
-    threshold_schedule: Pieces | None = field(None, kw_only=True, shown=lambda rule: len(rule.thresholds) > 1,
-                                              text=lambda v: repr(dict(v)), config="step_keys")
+    schedule: Pieces | None = field(
+        None, shown=lambda rule: len(rule.schedule) > 1, text=lambda v: repr(dict(v)), config="step_keys"
+    )
+    threshold_schedule: Pieces | None = field(
+        None,
+        kw_only=True,
+        shown=lambda rule: len(rule.thresholds) > 1,
+        text=lambda v: repr(dict(v)),
+        config="step_keys",
+    )
     scale: float = field(1.0, kw_only=True, shown=lambda rule: rule.scale != 1.0)
     eps: float = field(1e-8, kw_only=True, shown=lambda rule: rule.eps != 1e-8)
 
     def __post_init__(self) -> None:
-        schedule = _piecewise("schedule", {0: self.norms} if self.schedule is None else self.schedule, _norm_list,
-                              "norms" if self.schedule is None else None)
+        schedule = _piecewise(
+            "schedule",
+            {0: self.norms} if self.schedule is None else self.schedule,
+            _norm_list,
+            "norms" if self.schedule is None else None,
+        )
         threshold = validate.non_negative("switching_threshold", self.switching_threshold)
-        thresholds = _piecewise("threshold_schedule",
-                                {0: threshold} if self.threshold_schedule is None else self.threshold_schedule,
-                                lambda name, v: validate.non_negative(name, v))
-        self.set(norms=schedule[0][1], switching_threshold=thresholds[0][1], schedule=schedule,
-                 threshold_schedule=thresholds, scale=validate.positive("scale", self.scale, allow_inf=False),
-                 eps=validate.positive("eps", self.eps, allow_inf=False))
+        thresholds = _piecewise(
+            "threshold_schedule",
+            {0: threshold} if self.threshold_schedule is None else self.threshold_schedule,
+            lambda name, v: validate.non_negative(name, v),
+        )
+        self.set(
+            norms=schedule[0][1],
+            switching_threshold=thresholds[0][1],
+            schedule=schedule,
+            threshold_schedule=thresholds,
+            scale=validate.positive("scale", self.scale, allow_inf=False),
+            eps=validate.positive("eps", self.eps, allow_inf=False),
+        )
 
     @property
     def thresholds(self) -> Pieces:
@@ -181,8 +200,9 @@ class MultiNormalize(ScaleLeaf):
         changed = (peaked - reference).abs() > threshold * reference.clamp_min(1e-3)
         switch = (steps == 0) | changed | ~allowed
         new_choice = torch.where(switch, fresh, choice)
-        ctx.save(state, finite=peaked, choice=new_choice, reference=torch.where(switch, peaked, reference),
-                 steps=steps + 1)
+        ctx.save(
+            state, finite=peaked, choice=new_choice, reference=torch.where(switch, peaked, reference), steps=steps + 1
+        )
         ctx.emit_per_layer("norm_choice", new_choice)
         ctx.emit_per_layer("peakedness", peaked)
         divisor = torch.zeros_like(steps)

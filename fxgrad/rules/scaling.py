@@ -68,8 +68,9 @@ class Rescale(ScaleLeaf):
 
     alpha: float = 0.5
     target: Target = field("mean", text=_target_text)
-    multipliers: Multipliers = field((), shown=lambda rule: bool(rule.multipliers), text=_multipliers_text,
-                                     config="layer_keys")
+    multipliers: Multipliers = field(
+        (), shown=lambda rule: bool(rule.multipliers), text=_multipliers_text, config="layer_keys"
+    )
     every: int | None = field(None, kw_only=True, shown=lambda rule: rule.every is not None)
     decay: float = field(0.9, kw_only=True, shown=lambda rule: rule.target == "ema")
 
@@ -95,11 +96,16 @@ class Rescale(ScaleLeaf):
             multipliers = dict(multipliers)
         if not isinstance(multipliers, Mapping):
             raise TypeError(f"multipliers must be a mapping, got {type(multipliers).__name__}")
-        pairs = tuple((match.check_key("multipliers keys", key),
-                       validate.positive(f"multipliers[{key!r}]", value, allow_inf=False))
-                      for key, value in multipliers.items())
-        self.set(alpha=validate.non_negative("alpha", self.alpha), target=target, multipliers=pairs, every=every,
-                 decay=decay)
+        pairs = tuple(
+            (
+                match.check_key("multipliers keys", key),
+                validate.positive(f"multipliers[{key!r}]", value, allow_inf=False),
+            )
+            for key, value in multipliers.items()
+        )
+        self.set(
+            alpha=validate.non_negative("alpha", self.alpha), target=target, multipliers=pairs, every=every, decay=decay
+        )
 
     @property
     def reach(self) -> str:  # type: ignore[override]
@@ -123,8 +129,11 @@ class Rescale(ScaleLeaf):
 
     def unmatched(self, layers: Sequence[Layer]) -> list[str]:
         rescaled = [layer for layer in layers if layer.skip_reason is None]
-        return [f"rescale multiplier key {match.key_repr(key)} matches no layer it rescales ({WHAT_IS_A_LAYER})"
-                for key, _ in self.multipliers if not any(match.matches(key, layer) for layer in rescaled)]
+        return [
+            f"rescale multiplier key {match.key_repr(key)} matches no layer it rescales ({WHAT_IS_A_LAYER})"
+            for key, _ in self.multipliers
+            if not any(match.matches(key, layer) for layer in rescaled)
+        ]
 
     def layer_target(self, layer: Layer) -> float:
         """``T_l`` for a constant or callable target (not for ``"mean"``)."""
@@ -174,7 +183,6 @@ class Rescale(ScaleLeaf):
         return torch.where(torch.remainder(steps, self.every) == 0, fresh, held)
 
 
-
 def _check_target_signature(target: Callable) -> None:
     """A callable target must take ``(depth, layer)``."""
     try:
@@ -207,8 +215,11 @@ class TrustRatio(ScaleLeaf):
     min_norm: float = 0.0
 
     def __post_init__(self) -> None:
-        self.set(trust_coefficient=validate.positive("trust_coefficient", self.trust_coefficient, allow_inf=False),
-                 eps=validate.non_negative("eps", self.eps), min_norm=validate.non_negative("min_norm", self.min_norm))
+        self.set(
+            trust_coefficient=validate.positive("trust_coefficient", self.trust_coefficient, allow_inf=False),
+            eps=validate.non_negative("eps", self.eps),
+            min_norm=validate.non_negative("min_norm", self.min_norm),
+        )
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         weight = ctx.weight_norms().clamp_min(self.min_norm)
@@ -244,8 +255,10 @@ class WeightNormDrift(ScaleLeaf):
     min_denominator: float = 0.1
 
     def __post_init__(self) -> None:
-        self.set(every=validate.positive_int("every", self.every),
-                 min_denominator=validate.positive("min_denominator", self.min_denominator, allow_inf=False))
+        self.set(
+            every=validate.positive_int("every", self.every),
+            min_denominator=validate.positive("min_denominator", self.min_denominator, allow_inf=False),
+        )
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         weight = ctx.weight_norms()
@@ -293,9 +306,12 @@ class BalanceNorms(Leaf):
     entropy_drop: float = 0.05
 
     def __post_init__(self) -> None:
-        self.set(k=validate.positive_int("k", self.k), lam=validate.positive("lam", self.lam, allow_inf=False),
-                 every=validate.positive_int("every", self.every),
-                 entropy_drop=validate.non_negative("entropy_drop", self.entropy_drop))
+        self.set(
+            k=validate.positive_int("k", self.k),
+            lam=validate.positive("lam", self.lam, allow_inf=False),
+            every=validate.positive_int("every", self.every),
+            entropy_drop=validate.non_negative("entropy_drop", self.entropy_drop),
+        )
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
         norms = ctx.weight_norms()

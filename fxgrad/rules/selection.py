@@ -67,9 +67,11 @@ class _Router(Transform):
             skipped = [layer for layer in matching if layer.skip_reason is not None]
             entry = f"{self.name} key {match.key_repr(key)}"
             if skipped and len(skipped) == len(matching):
-                out.append(f"{entry} reaches no layer: the skip list leaves alone all it matches "
-                           f"({_names(skipped)}: {skipped[0].skip_reason}); a skip= list without that entry "
-                           "would let it treat them")
+                out.append(
+                    f"{entry} reaches no layer: the skip list leaves alone all it matches "
+                    f"({_names(skipped)}: {skipped[0].skip_reason}); a skip= list without that entry "
+                    "would let it treat them"
+                )
             elif matching:
                 out.append(f"{entry} reaches no layer: earlier keys took all it matches ({_names(matching)})")
             else:
@@ -96,10 +98,7 @@ def _entries(argument: str, mapping: Any, check_key, default: Any) -> tuple[tupl
         raise TypeError(f"{argument} must be a dict, got {type(mapping).__name__}")
     if not mapping and default is None:
         raise ValueError(f"{argument} is empty and there is no default: it would route no layer")
-    return tuple(
-        (check_key(key), check_transform(f"{argument}[{key!r}]", value))
-        for key, value in mapping.items()
-    )
+    return tuple((check_key(key), check_transform(f"{argument}[{key!r}]", value)) for key, value in mapping.items())
 
 
 def _module_type(key: Any) -> type:
@@ -117,9 +116,9 @@ def _default(default: Any) -> Transform | None:
 def by_type(mapping: Mapping[type, Transform], default: Transform | None = None) -> ByType:
     """Route each layer by ``isinstance`` on its module; the first match wins.
 
-        >>> import torch.nn as nn, fxgrad
-        >>> fxgrad.by_type({nn.Conv2d: fxgrad.rescale(alpha=0.5)})
-        by_type({Conv2d: rescale(alpha=0.5, target='mean')})
+    >>> import torch.nn as nn, fxgrad
+    >>> fxgrad.by_type({nn.Conv2d: fxgrad.rescale(alpha=0.5)})
+    by_type({Conv2d: rescale(alpha=0.5, target='mean')})
     """
     return ByType(_entries("mapping", mapping, _module_type, default), _default(default))
 

@@ -37,8 +37,14 @@ class GraphContext:
     code after a graph break), whose keys end in ``@frame<k>``.
     """
 
-    def __init__(self, store: StateStore, device: torch.device, scaler: Any = None,
-                 params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None, frame: int = 0) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        device: torch.device,
+        scaler: Any = None,
+        params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
+        frame: int = 0,
+    ) -> None:
         self.store, self.device = store, device
         self.params = params
         self.frame = frame
@@ -53,8 +59,9 @@ class GraphContext:
     def route(self, index: int, name: str, layers: Sequence[Layer], executor: Any) -> RouteContext:
         return RouteContext(self, f"{index}.{name}", index, layers, executor)
 
-    def emit(self, keys: list[str], value: torch.Tensor, index: int,
-             layer_of: Sequence[tuple[str, str]] | None = None) -> None:
+    def emit(
+        self, keys: list[str], value: torch.Tensor, index: int, layer_of: Sequence[tuple[str, str]] | None = None
+    ) -> None:
         """Statistics ``keys`` with values ``value``; ``layer_of`` gives each key's
         ``(statistic, layer)`` when they are per-layer values."""
         named = []
@@ -97,9 +104,12 @@ class RouteContext:
         """The loss scale (float64, 0-dim) when the backend has a GradScaler."""
         return self.graph.scale
 
-    def state(self, shared: dict[str, tuple[Shape, float]] | None = None,
-              per_layer: dict[str, float] | None = None,
-              per_param: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+    def state(
+        self,
+        shared: dict[str, tuple[Shape, float]] | None = None,
+        per_layer: dict[str, float] | None = None,
+        per_param: dict[str, float] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Load this route's state: ``shared`` entries with their shapes, one
         value per layer for each ``per_layer`` entry (a vector over ``layers``),
         and one value per parameter for each ``per_param`` entry (a vector over
@@ -130,8 +140,7 @@ class RouteContext:
         self._groups[id(values)] = (group, list(shared) + list(per_layer) + list(per_param))
         return values
 
-    def save(self, state: dict[str, torch.Tensor], *, finite: torch.Tensor | None = None,
-             **new: torch.Tensor) -> None:
+    def save(self, state: dict[str, torch.Tensor], *, finite: torch.Tensor | None = None, **new: torch.Tensor) -> None:
         """Write back every entry of ``state`` (new values, same shapes).
 
         With ``finite=norms``, every entry keeps its old value unless all of
@@ -174,10 +183,12 @@ class RouteContext:
         params = self._params()
 
         def read() -> torch.Tensor:  # FSDP2: whole-layer norms, reduced over the shards
-            return torch.stack([
-                replicated(torch.linalg.vector_norm(torch.stack(_compat.foreach_norm(layer_params))))
-                for layer_params in params()
-            ])
+            return torch.stack(
+                [
+                    replicated(torch.linalg.vector_norm(torch.stack(_compat.foreach_norm(layer_params))))
+                    for layer_params in params()
+                ]
+            )
 
         return self._external("weight norms", read, len(self.layers))
 
@@ -212,8 +223,9 @@ class RouteContext:
         names = [layer.params for layer in self.layers]
         return lambda: [lookup(layer_params) for layer_params in names]
 
-    def _external(self, what: str, read: Callable[[], torch.Tensor], numel: int,
-                  dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    def _external(
+        self, what: str, read: Callable[[], torch.Tensor], numel: int, dtype: torch.dtype = torch.float64
+    ) -> torch.Tensor:
         key = (what, self.key, tuple(layer.name for layer in self.layers))
         group = self.graph.store.external_group(f"{what} of {self.key}", key, read, numel, self.graph.device, dtype)
         return torch.ops.fxgrad.load_state(group.name)

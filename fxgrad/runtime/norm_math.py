@@ -66,7 +66,6 @@ def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     return _reduce([t.abs().pow(p).sum() for t in wide], torch.add)
 
 
-
 def l2(tensor: torch.Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> torch.Tensor:
     """The L2 norm of ``tensor`` (over ``dim``): ``sqrt(sum(t * t))``.
 
@@ -77,6 +76,7 @@ def l2(tensor: torch.Tensor, dim: int | tuple[int, ...] | None = None, keepdim: 
     tensor = magnitude(tensor)
     squares = tensor * tensor
     return (squares.sum() if dim is None else squares.sum(dim, keepdim=keepdim)).sqrt()
+
 
 def root(value: torch.Tensor, p: float) -> torch.Tensor:
     """The norm from a power sum."""

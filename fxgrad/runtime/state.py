@@ -79,16 +79,19 @@ class Slots:
         new = [(key, shape, init) for key, shape, init in entries if key not in self.layout]
         if new:
             with _compat.outside_dispatch_modes():
-                values = [_loaded(key, initial[key], shape) if key in initial else torch.full(shape, init)
-                          for key, shape, init in new]
+                values = [
+                    _loaded(key, initial[key], shape) if key in initial else torch.full(shape, init)
+                    for key, shape, init in new
+                ]
                 pieces = [self.buffer] + [v.to(torch.float64).reshape(-1).to(self.device) for v in values]
                 offset = self.buffer.numel()
                 self.buffer = torch.cat(pieces)
             for key, shape, _ in new:
                 self.layout[key] = (offset, shape)
                 offset += math.prod(shape)
-        return [start + i for key, _, _ in entries for start, shape in [self.layout[key]]
-                for i in range(math.prod(shape))]
+        return [
+            start + i for key, _, _ in entries for start, shape in [self.layout[key]] for i in range(math.prod(shape))
+        ]
 
     def view(self, key: str) -> torch.Tensor:
         offset, shape = self.layout[key]
@@ -98,8 +101,14 @@ class Slots:
 class Group:
     """The entries one graph loads and saves together, in a fixed order."""
 
-    def __init__(self, label: str, slots: Slots, keys: list[str], positions: list[int],
-                 on_save: Callable[[Group], None] | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        slots: Slots,
+        keys: list[str],
+        positions: list[int],
+        on_save: Callable[[Group], None] | None = None,
+    ) -> None:
         self.name = f"g{next(_NAMES)}"
         self.label, self.slots, self.keys = label, slots, keys
         self.numel, self.device, self.dtype = len(positions), slots.device, torch.float64
@@ -133,8 +142,14 @@ class ExternalGroup:
     graph does not otherwise see). ``read`` runs on the device, no sync.
     """
 
-    def __init__(self, label: str, read: Callable[[], torch.Tensor], numel: int, device: torch.device,
-                 dtype: torch.dtype = torch.float64) -> None:
+    def __init__(
+        self,
+        label: str,
+        read: Callable[[], torch.Tensor],
+        numel: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float64,
+    ) -> None:
         self.name = f"x{next(_NAMES)}"
         self.label = label
         self.read, self.numel, self.device, self.dtype = read, numel, device, dtype
@@ -174,8 +189,15 @@ class StateStore:
         self._layer_stats.update(per_layer)
         return self._group("stats", [(k, (), 0.0) for k in keys], device, self._stats, {}, self._stats_saved)
 
-    def _group(self, label: str, entries: Sequence[Entry], device: torch.device, table: dict[torch.device, Slots],
-               initial: dict[str, torch.Tensor], on_save: Callable[[Group], None] | None) -> Group:
+    def _group(
+        self,
+        label: str,
+        entries: Sequence[Entry],
+        device: torch.device,
+        table: dict[torch.device, Slots],
+        initial: dict[str, torch.Tensor],
+        on_save: Callable[[Group], None] | None,
+    ) -> Group:
         keys = [key for key, _, _ in entries]
         found = self._groups.get((id(table), device, tuple(keys)))
         if found is None:
@@ -197,8 +219,15 @@ class StateStore:
             self._overlap[(a.name, b.name)] = found
         return found
 
-    def external_group(self, label: str, key: tuple, read: Callable[[], torch.Tensor], numel: int,
-                       device: torch.device, dtype: torch.dtype = torch.float64) -> ExternalGroup:
+    def external_group(
+        self,
+        label: str,
+        key: tuple,
+        read: Callable[[], torch.Tensor],
+        numel: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float64,
+    ) -> ExternalGroup:
         """The read-only group for ``key``, created the first time."""
         if key not in self.external:
             self.external[key] = ExternalGroup(label, read, numel, device, dtype)
@@ -243,8 +272,10 @@ class StateStore:
 def _loaded(key: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A checkpoint's ``value`` for entry ``key``, which has ``shape`` in this policy."""
     if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"state {key!r} has shape {tuple(value.shape)} in the checkpoint but {tuple(shape)} in "
-                         "this policy (a history or warm-up of another length?)")
+        raise ValueError(
+            f"state {key!r} has shape {tuple(value.shape)} in the checkpoint but {tuple(shape)} in "
+            "this policy (a history or warm-up of another length?)"
+        )
     return value
 
 
