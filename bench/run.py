@@ -7,6 +7,8 @@ compilation excluded:
 * ``compiled``: ``torch.compile(model)`` (Inductor), no gradient policy, and a second
   copy of it (``compiled again``) whose ratio to the first is the noise floor;
 * ``fxgrad``:   ``fxgrad.backend(policy).compile(model)``, the policy inside the backward;
+* ``fxgrad step``: the same with ``scope="step"``: the policy as one compiled program over
+  every ``.grad``, run by ``optimizer.step()`` (what DDP and FSDP2 jobs get by default);
 * ``eager``:    ``torch.compile(model)`` plus the policy in eager PyTorch after
   ``backward()`` (``clip_grad_norm_(foreach=True)``, per-layer loops);
 * ``hooks rescale`` (with the rescale policy): module backward hooks under
@@ -121,6 +123,9 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
         backend = fxgrad.backend(transform, compiler=compiler)
         variants.append(Variant(f"fxgrad {policy}", m, backend.compile(m), no_policy, inputs))
         m = copy_of()
+        stepped = fxgrad.backend(transform, compiler=compiler, scope="step")
+        variants.append(Variant(f"fxgrad step {policy}", m, stepped.compile(m), no_policy, inputs))
+        m = copy_of()
         variants.append(Variant(f"eager {policy}", m, compiled(m), eager, inputs))
     if "rescale" in policies:
         hooked = HookRescaled(copy_of())
@@ -171,7 +176,7 @@ def report_rows(model_name, policies, variants, first, compile_ratios):
     base = by_name["compiled"]
     rows = []
     for policy in policies:
-        fx, eager = by_name[f"fxgrad {policy}"], by_name[f"eager {policy}"]
+        fx, eager, step = by_name[f"fxgrad {policy}"], by_name[f"eager {policy}"], by_name[f"fxgrad step {policy}"]
         cold = compile_ratios.get(policy)
         rows.append(
             (
@@ -180,6 +185,8 @@ def report_rows(model_name, policies, variants, first, compile_ratios):
                 f"{paired_ratio(fx, base):.3f}",
                 f"{paired_ratio(eager, base):.3f}",
                 f"{paired_ratio(fx, eager):.3f}",
+                f"{paired_ratio(step, base):.3f}",
+                f"{paired_ratio(step, eager):.3f}",
                 f"{first[fx.name][1] - first['compiled'][1]:+d}",
                 "-" if cold is None else f"{cold:.2f}",
                 f"{paired_ratio(by_name['hooks rescale'], base):.3f}" if policy == "rescale" else "-",
@@ -194,6 +201,8 @@ HEADER = (
     "fxgrad / compiled",
     "eager / compiled",
     "fxgrad / eager",
+    "step scope / compiled",
+    "step scope / eager",
     "extra kernels",
     "cold compile fxgrad / compiled",
     "module hooks / compiled",

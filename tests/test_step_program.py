@@ -6,6 +6,7 @@ import warnings
 
 import models
 import pytest
+import reference as ref
 import torch
 import torch.nn as nn
 from parity import no_host_sync
@@ -126,3 +127,25 @@ def test_a_program_that_cannot_be_built_warns_once_and_runs_eagerly():
             assert all(torch.equal(p.grad, 0.5 * r) for p, r in zip(model.parameters(), raw))
             model.zero_grad()
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+
+
+def test_weights_are_read_from_the_parameters_of_each_step(builds):
+    """AGC reads the weights by name at run time: parameters replaced by
+    ``load_state_dict(assign=True)`` are followed by the same program."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    backend = fxgrad.backend(fxgrad.adaptive_grad_clip(0.01), compiler="aot_eager", scope="step")
+    for step in range(3):
+        if step == 2:
+            model.load_state_dict({k: 10 * v for k, v in model.state_dict().items()}, assign=True)
+        x = torch.randn(4, 8)
+        model(x).square().sum().backward()
+        expected = copy.deepcopy(model)  # deepcopy leaves .grad out
+        for q, p in zip(expected.parameters(), model.parameters()):
+            q.grad = p.grad.clone()
+        ref.agc(expected, 0.01)
+        backend.step(model)
+        for p, q in zip(model.parameters(), expected.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8)
+        model.zero_grad(set_to_none=True)
+    assert builds[0] == 1

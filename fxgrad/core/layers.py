@@ -14,6 +14,7 @@ module that owns it in ``model.named_modules()`` order, so tied weights (GPT-2's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable, NamedTuple, Sequence
 
 import torch.nn as nn
@@ -119,8 +120,11 @@ def validate_skip(skip: Iterable[SkipEntry]) -> tuple[SkipEntry, ...]:
     return tuple(match.check_key("skip entries", entry) for entry in skip)
 
 
-def skip_reason(name: str, module_type: type | None, skip: Sequence[SkipEntry]) -> str | None:
-    """Why a layer is skipped, or ``None``. The first matching entry is named."""
+@functools.lru_cache(maxsize=65536)
+def skip_reason(name: str, module_type: type | None, skip: tuple[SkipEntry, ...]) -> str | None:
+    """Why a layer is skipped, or ``None``. The first matching entry is named.
+
+    Cached: step scope asks for every layer on every step."""
     return next(filter(None, (match.reason(entry, name, module_type) for entry in skip)), None)
 
 
@@ -152,7 +156,7 @@ def build_layers(rows: Iterable[ParamRow], order: Sequence[str], skip: Sequence[
                 params=tuple(row.param for row in members),
                 numel=sum(row.numel for row in members),
                 depth=position.get(name, 0) / span,
-                skip_reason=skip_reason(name, module_type, skip),
+                skip_reason=skip_reason(name, module_type, tuple(skip)),
             )
         )
     return layers

@@ -264,9 +264,9 @@ class Backend:
             (root.module(), root.prefix) for root in self.registry.roots.values() if root.module() is not None
         ]
 
-    def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any) -> None:
+    def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list | None = None) -> None:
         apply_to_grads(
-            self.transform, models, self.skip, self.store, scaler, self.registry.forward_order(), self._programs
+            self.transform, models, self.skip, self.store, scaler, self.registry.forward_order(), self._programs, params
         )
 
     # ------------------------------------------------------------ state

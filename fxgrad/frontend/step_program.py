@@ -3,8 +3,8 @@
 The policy is recorded, as graph scope records it into a backward graph, into a
 graph whose inputs are the gradients and which writes each result back into
 its input (``aten.copy_``); Inductor compiles it. A program is built once per
-*layout* (the parameters with a gradient, their gradients' shapes, strides,
-dtypes and devices, and the routes over their layers) and reused: state,
+*layout* (the names of the parameters with a gradient, their gradients' shapes,
+strides, dtypes and devices, and the routes over their layers) and reused: state,
 thresholds and the loss scale are device tensors that custom ops read and
 write, so nothing recompiles when they change, and nothing syncs::
 
@@ -19,7 +19,6 @@ the tests exercise quickly); with ``"inductor"`` it is compiled.
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,6 +39,29 @@ class StepPrograms:
         self.compiler = compiler
         self._programs: dict[tuple, Callable[..., Any]] = {}
         self._broken: str | None = None  # why building failed; then every step runs eagerly
+        self._weights: dict[str, torch.Tensor] = {}  # while a program runs: its parameters, by name
+        self._routes: tuple[tuple, Any] | None = None  # the last step's key and routes
+
+    def routes(
+        self,
+        models: Sequence[tuple[nn.Module, str]],
+        order: Sequence[str],
+        compute: Callable[[], Any],
+        params: Sequence[nn.Parameter] | None = None,
+    ) -> Any:
+        """``compute()`` (the parameters with a gradient and the routes over their layers), or the
+        last step's result when the same parameters (``params``: the models', if known) have a
+        gradient and the forward order is the same.
+
+        Routing walks every module and matches every layer against the skip list: too slow to
+        repeat on every step of a launch-bound model."""
+        if params is None:
+            params = [p for model, _ in models for p in model.parameters()]
+        with_grad = tuple(id(p) for p in params if p.grad is not None)
+        key = (tuple((id(model), prefix) for model, prefix in models), with_grad, tuple(order))
+        if self._routes is None or self._routes[0] != key:
+            self._routes = key, compute()  # holds the parameters, so their ids stay theirs
+        return self._routes[1]
 
     def run(self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore, scaler: Any) -> bool:
         """Apply ``routes`` to the ``.grad`` of the parameters of ``owners`` in place, grouped by
@@ -48,30 +70,33 @@ class StepPrograms:
         if self._broken is not None or any(type(g) is not torch.Tensor for g in grads):  # DTensor: eager
             return False
         key = _layout(routes, owners, scaler is not None)
-        program = self._programs.get(key)
-        if program is None:
-            try:
-                program = self._build(routes, owners, store, scaler)
-            except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
-                self._broken = f"{type(error).__name__}: {error}"
-                warnings.warn(
-                    f"fxgrad: the compiled step program could not be built ({self._broken}); "
-                    "scope='step' runs the policy eagerly, one op at a time",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-                return False
-            self._programs[key] = program
-        with torch.no_grad():
-            program(*grads)
+        self._weights = {o.param: o.tensor for o in owners}  # what weight-reading rules read, this step
+        try:
+            program = self._programs.get(key)
+            if program is None:
+                try:
+                    program = self._build(routes, owners, store, scaler)
+                except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
+                    self._broken = f"{type(error).__name__}: {error}"
+                    warnings.warn(
+                        f"fxgrad: the compiled step program could not be built ({self._broken}); "
+                        "scope='step' runs the policy eagerly, one op at a time",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+                    return False
+                self._programs[key] = program
+            with torch.no_grad():
+                program(*grads)
+        finally:
+            self._weights = {}
         return True
 
     def _build(
         self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore, scaler: Any
     ) -> Callable[..., Any]:
         gm, inputs = _gradient_graph(owners)
-        weights = {o.param: weakref.ref(o.tensor) for o in owners}  # read at run time, by weight-reading rules
-        lookup = lambda names: [weights[name]() for name in names]  # noqa: E731
+        lookup = lambda names: [self._weights[name] for name in names]  # noqa: E731
         new = record_policy(gm, routes, inputs, store, scaler, lookup)
         output = gm.graph.output_node()
         with gm.graph.inserting_before(output):
@@ -100,8 +125,10 @@ def _gradient_graph(owners: Sequence[Owner]) -> tuple[torch.fx.GraphModule, dict
 
 
 def _layout(routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], scaled: bool) -> tuple:
+    """What a program depends on: the routes, and each gradient's parameter name and layout (not
+    the parameter itself: weights are read by name at run time, so replaced ones are followed)."""
     grads = tuple(
-        (id(o.tensor), tuple(o.tensor.grad.shape), o.tensor.grad.stride(), o.tensor.grad.dtype, o.tensor.grad.device)
+        (o.param, tuple(o.tensor.grad.shape), o.tensor.grad.stride(), o.tensor.grad.dtype, o.tensor.grad.device)
         for o in owners
     )
     return tuple(routes), grads, scaled

@@ -69,14 +69,20 @@ def apply_to_grads(
     scaler: Any = None,
     order: Sequence[str] = (),
     programs: StepPrograms | None = None,
+    params: Sequence[nn.Parameter] | None = None,
 ) -> None:
     """Apply ``transform`` to the ``.grad`` of ``models``' parameters, in place.
 
     ``models`` pairs each model with its layer-name prefix; ``order`` is the
     forward order of layers (for depth), named-module order when empty. With
-    ``programs`` the rules run as a compiled program where they can, else eagerly.
+    ``programs`` the rules run as a compiled program where they can, else eagerly;
+    ``params``, the models' parameters if the caller has them, saves walking the models again.
     """
-    with_grad, routes = step_routes(transform, models, skip, order)
+    if programs is None:
+        with_grad, routes = step_routes(transform, models, skip, order)
+    else:
+        compute = lambda: step_routes(transform, models, skip, order)  # noqa: E731
+        with_grad, routes = programs.routes(models, order, compute, params)
     if not with_grad or (programs is not None and programs.run(routes, with_grad, store, scaler)):
         return
     params: dict[str, list[nn.Parameter]] = {}
@@ -99,13 +105,14 @@ Models = Callable[[], list[tuple[nn.Module, str]]]
 class StepScope:
     """Runs a backend's policy on ``.grad``, once per set of gradients.
 
-    ``models()`` lists ``(model, layer prefix)`` pairs; ``run(models, scaler)``
-    applies the policy. After :meth:`arm`, a global ``optimizer.step()``
-    pre-hook runs it for optimizers that step these models' parameters, unless
-    :meth:`apply` already ran on the current gradients.
+    ``models()`` lists ``(model, layer prefix)`` pairs; ``run(models, scaler, params)``
+    applies the policy (``params``: the models' parameters, walked once per step).
+    After :meth:`arm`, a global ``optimizer.step()`` pre-hook runs it for
+    optimizers that step these models' parameters, unless :meth:`apply`
+    already ran on the current gradients.
     """
 
-    def __init__(self, models: Models, run: Callable[[list, Any], None], scaler: Any) -> None:
+    def __init__(self, models: Models, run: Callable[[list, Any, list], None], scaler: Any) -> None:
         self.models, self.run, self.scaler = models, run, scaler
         self._seen: dict[int, tuple[weakref.ref, int]] = {}
         self._armed = False
@@ -117,27 +124,26 @@ class StepScope:
             handle = register_optimizer_step_pre_hook(_optimizer_hook(weakref.ref(self)))
             weakref.finalize(self, handle.remove)
 
-    def apply(self, models: list[tuple[nn.Module, str]], scaler: Any) -> None:
-        """Run the policy on ``models``' gradients, unless it already ran on them."""
-        if not self._changed(_parameters(models)):
+    def apply(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list[nn.Parameter] | None = None) -> None:
+        """Run the policy on ``models``' gradients (``params``: their parameters, if known),
+        unless it already ran on them."""
+        params = list(_parameters(models)) if params is None else params
+        if not self._changed(params):
             return
-        self.run(models, scaler)
+        self.run(models, scaler, params)
         self._seen.update(
-            {
-                id(p): (weakref.ref(p.grad), _compat.tensor_version(p.grad))
-                for p in _parameters(models)
-                if p.grad is not None
-            }
+            {id(p): (weakref.ref(p.grad), _compat.tensor_version(p.grad)) for p in params if p.grad is not None}
         )
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         models = self.models()
-        ours = {id(p): p for p in _parameters(models)}
+        params = list(_parameters(models))
+        ours = {id(p) for p in params}
         steps_ours = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
         if not steps_ours:
             return
         unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
-        self.apply(models, None if unscaled else self.scaler)
+        self.apply(models, None if unscaled else self.scaler, params)
 
     def _changed(self, params: Iterable[nn.Parameter]) -> bool:
         for p in params:
