@@ -63,16 +63,15 @@ def check_parity(model_name, transform, reference, compiler="aot_eager", rtol=1e
 
 @contextlib.contextmanager
 def no_host_sync():
-    """Fail on the calls that copy a device value to the host."""
+    """Fail on the calls that copy a device value to the host: reading it (``item``,
+    ``tolist``, ``bool``/``float``/``int``/index conversions) or moving it (``cpu``, ``numpy``)."""
 
     def sync(*args, **kwargs):
         raise AssertionError("host sync in the training step")
 
-    with (
-        mock.patch.object(torch.Tensor, "item", sync),
-        mock.patch.object(torch.Tensor, "tolist", sync),
-        mock.patch.object(torch.Tensor, "__bool__", sync),
-    ):
+    with contextlib.ExitStack() as stack:
+        for method in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"):
+            stack.enter_context(mock.patch.object(torch.Tensor, method, sync))
         yield
 
 

@@ -64,8 +64,21 @@ def test_monitor_records_norms_emas_and_spikes():
     assert stats["grad_norm_clipped/net.1"].item() == pytest.approx(seen[-1]["net.1"]["grad_norm"], rel=1e-5)
     spike_history = [v["spike"] for s in seen for k, v in s.items() if k == "net.0"]
     assert spike_history[15] == 1.0
-    model_weight = torch.linalg.vector_norm(torch.cat([p.reshape(-1) for p in models.MLP().net[0].parameters()]))
-    assert stats["weight_norm/net.0"].item() > 0 and model_weight > 0
+
+
+def test_monitor_weight_norms_are_the_compiled_models_own():
+    torch.manual_seed(0)
+    model = models.MLP()
+    layers = {"net.0": model.net[0], "net.3": model.net[3]}
+    initial = {name: [p.detach().clone() for p in module.parameters()] for name, module in layers.items()}
+    backend, _ = run_both(fxgrad.monitor(weights=True), lambda m: None, 6, model=model, lr=1.0)  # weights move
+    stats = backend.stats()
+    for layer, module in layers.items():
+        # the compiled model's weights when the last backward read them, before its SGD step
+        read = torch.linalg.vector_norm(torch.cat([(p + p.grad).reshape(-1) for p in module.parameters()]))
+        stale = torch.linalg.vector_norm(torch.cat([p.reshape(-1) for p in initial[layer]]))
+        assert abs(read - stale) > 1e-3 * stale, "the weights did not move: a stale read would pass"
+        assert stats[f"weight_norm/{layer}"].item() == pytest.approx(read.item(), rel=1e-6)
 
 
 def test_stats_are_device_tensors_and_a_snapshot():
