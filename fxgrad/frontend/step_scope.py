@@ -13,9 +13,10 @@ optimizer step instead::
     backend.step()                            # once, on the accumulated gradient
     optimizer.step()
 
-The same plain-torch rules run eagerly on the real gradients, state and
-statistics included; nothing syncs with the host. FSDP2's DTensor gradients
-work: norms are reduced over the shards (DTensor all-reduces the partial sums).
+The same plain-torch rules run as one compiled program over the gradients
+(:mod:`fxgrad.frontend.step_program`), state and statistics included; nothing
+syncs with the host. FSDP2's DTensor gradients run the rules eagerly: norms
+are reduced over the shards (DTensor all-reduces the partial sums).
 
 ``backend.step()`` is optional when a ``torch.optim`` optimizer steps the
 model: :class:`StepScope` hooks ``optimizer.step()`` and runs the policy there
