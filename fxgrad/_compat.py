@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
     "autograd_cache_bypassed",
     "compile_id",
     "current_frame_scope",
+    "model_being_compiled",
     "detect_fake_mode",
     "new_fake_mode",
     "fake_of",
@@ -252,6 +254,22 @@ def current_frame_scope() -> tuple[dict, dict] | None:
     if tx is None:
         return None
     return tx.f_locals, tx.f_globals
+
+
+def model_being_compiled() -> Any:
+    """The ``model`` argument of the ``torch.compile(model, ...)`` call on the stack, if any.
+
+    ``torch.compile`` reads a callable backend's ``__name__`` once, while it wraps
+    the backend (``_TorchCompileWrapper``); a backend calls this from there to
+    learn what it compiles: a module, ``Module.compile``'s bound ``_call_impl``,
+    another bound method or a function (docs/design.md, fact 14).
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is torch.compile.__code__:
+            return frame.f_locals.get("model")
+        frame = frame.f_back
+    return None
 
 
 def source_chain(placeholder: torch.fx.Node) -> list[str]:

@@ -18,3 +18,16 @@ def fresh_dynamo():
     yield
     _compat.dynamo_config().allow_rnn = allow_rnn
     _compat.reset_dynamo()
+
+
+@pytest.fixture(params=["backend.compile", "torch.compile"])
+def compile_with(request):
+    """``compile_with(backend, model, **kwargs)``: compile the two ways users do,
+    ``backend.compile(model)`` and ``torch.compile(model, backend=backend)``."""
+
+    def compile_(backend, model, **kwargs):
+        if request.param == "backend.compile":
+            return backend.compile(model, **kwargs)
+        return torch.compile(model, backend=backend, **kwargs)
+
+    return compile_

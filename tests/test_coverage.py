@@ -55,73 +55,73 @@ def coverage_silent():
         yield
 
 
-def run(model, transform, **backend_kwargs):
+def run(compile_with, model, transform, **backend_kwargs):
     backend = fxgrad.backend(transform, compiler="aot_eager", **backend_kwargs)
-    models.loss_of(backend.compile(model)(torch.randn(5, 8))).backward()
+    models.loss_of(compile_with(backend, model)(torch.randn(5, 8))).backward()
     return backend
 
 
-def test_global_clip_refuses_graph_break():
+def test_global_clip_refuses_graph_break(compile_with):
     with pytest.raises(fxgrad.CoverageError, match="(?s)would see only part.*fc1.*graph break"):
-        run(BrokenMLP(), fxgrad.clip_by_global_norm(1.0))
+        run(compile_with, BrokenMLP(), fxgrad.clip_by_global_norm(1.0))
 
 
-def test_rescale_mean_refuses_graph_break():
+def test_rescale_mean_refuses_graph_break(compile_with):
     with pytest.raises(fxgrad.CoverageError, match="rescale"):
-        run(BrokenMLP(), fxgrad.rescale(alpha=0.5))
+        run(compile_with, BrokenMLP(), fxgrad.rescale(alpha=0.5))
 
 
-def test_non_strict_warns_and_clips_each_graph():
+def test_non_strict_warns_and_clips_each_graph(compile_with):
     torch.manual_seed(0)
     model = BrokenMLP()
     expected = copy.deepcopy(model)
     x = torch.randn(5, 8)
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", strict=False)
     with pytest.warns(fxgrad.CoverageWarning, match="would see only part"):
-        models.loss_of(backend.compile(model)(x)).backward()
+        models.loss_of(compile_with(backend, model)(x)).backward()
     models.loss_of(expected(x)).backward()
     torch.nn.utils.clip_grad_norm_(expected.fc1.parameters(), 1e-3)
     torch.nn.utils.clip_grad_norm_([*expected.fc2.parameters(), *expected.fc3.parameters()], 1e-3)
     assert_grads_close(model, expected)
 
 
-def test_per_layer_clip_is_exact_across_graph_breaks():
+def test_per_layer_clip_is_exact_across_graph_breaks(compile_with):
     torch.manual_seed(0)
     model = BrokenMLP()
     expected = copy.deepcopy(model)
     x = torch.randn(5, 8)
     with coverage_silent():
-        backend = run(model, fxgrad.clip_by_norm(1e-3))
+        backend = run(compile_with, model, fxgrad.clip_by_norm(1e-3))
     assert len(backend.graphs) == 2
     models.loss_of(expected(x)).backward()
     ref.clip_per_layer(expected, 1e-3)
     torch.manual_seed(0)
     model2 = BrokenMLP()
     backend = fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager")
-    models.loss_of(backend.compile(model2)(x)).backward()
+    models.loss_of(compile_with(backend, model2)(x)).backward()
     assert_grads_close(model2, expected)
 
 
-def test_uncaptured_layer_is_named_in_a_warning():
+def test_uncaptured_layer_is_named_in_a_warning(compile_with):
     with pytest.warns(fxgrad.CoverageWarning, match="(?s)is not applied to.*fc2 \\(Linear\\): in no compiled graph"):
-        run(EagerMiddle(), fxgrad.clip_by_norm(1.0))
+        run(compile_with, EagerMiddle(), fxgrad.clip_by_norm(1.0))
 
 
-def test_uncaptured_layer_blocks_global_clip():
+def test_uncaptured_layer_blocks_global_clip(compile_with):
     with pytest.raises(fxgrad.CoverageError, match="fc2"):
-        run(EagerMiddle(), fxgrad.clip_by_global_norm(1.0))
+        run(compile_with, EagerMiddle(), fxgrad.clip_by_global_norm(1.0))
 
 
-def test_unused_parameter_blocks_global_clip_until_frozen():
+def test_unused_parameter_blocks_global_clip_until_frozen(compile_with):
     model = BrokenMLP()
     model.unused = nn.Linear(2, 2)
     model.forward = lambda x: model.fc3(torch.relu(model.fc2(torch.relu(model.fc1(x)))))
     with pytest.raises(fxgrad.CoverageError, match="unused"):
-        run(model, fxgrad.clip_by_global_norm(1.0))
+        run(compile_with, model, fxgrad.clip_by_global_norm(1.0))
     model.unused.requires_grad_(False)
     _compat.reset_dynamo()
     with pytest.warns(fxgrad.CoverageWarning, match="frozen"):
-        run(model, fxgrad.clip_by_global_norm(1.0))
+        run(compile_with, model, fxgrad.clip_by_global_norm(1.0))
 
 
 def test_lstm_without_allow_rnn_is_reported():
@@ -136,13 +136,13 @@ def test_lstm_without_allow_rnn_is_reported():
         per_layer.compile(model)(*args)
 
 
-def test_lstm_with_allow_rnn_is_captured():
+def test_lstm_with_allow_rnn_is_captured(compile_with):
     _compat.dynamo_config().allow_rnn = True
     model, args, kwargs = models.build("lstm")
     expected = copy.deepcopy(model)
     backend = fxgrad.backend(fxgrad.by_type({nn.LSTM: fxgrad.clip_by_norm(1e-3)}), compiler="aot_eager")
     with coverage_silent():
-        models.loss_of(backend.compile(model)(*args)).backward()
+        models.loss_of(compile_with(backend, model)(*args)).backward()
     eager_grads(expected, args, kwargs)
     ref.clip_per_layer(expected, 1e-3, select=lambda name, module: isinstance(module, nn.LSTM))
     assert_grads_close(model, expected)
@@ -198,7 +198,7 @@ class Blocks(nn.Module):
         ),
     ],
 )
-def test_layers_of_a_submodule_frame_keep_the_models_names(transform, reference):
+def test_layers_of_a_submodule_frame_keep_the_models_names(transform, reference, compile_with):
     """Dynamo compiles each Body.forward as its own frame (the loop's frame is skipped); the
     layers are still named after the compiled model, so AGC reads each block's own weights."""
     torch.manual_seed(0)
@@ -207,7 +207,7 @@ def test_layers_of_a_submodule_frame_keep_the_models_names(transform, reference)
     backend = fxgrad.backend(transform, compiler="aot_eager")
     x = torch.randn(8, 16)
     with coverage_silent():
-        models.loss_of(backend.compile(model)(x)).backward()
+        models.loss_of(compile_with(backend, model)(x)).backward()
     assert sorted(layer.name for graph in backend.graphs for layer in graph.layers) == ["blocks.0.fc", "blocks.1.fc"]
     models.loss_of(eager(x)).backward()
     reference(eager)
@@ -229,7 +229,7 @@ def test_forward_run_eagerly_after_the_recompile_limit_is_reported():
             compiled(torch.randn(5, 8))  # inference: no policy to miss
 
 
-def test_a_graph_reused_for_another_instance_is_reported():
+def test_a_graph_reused_for_another_instance_is_reported(compile_with):
     """Dynamo runs the first model's graph for a second instance: no false "nothing compiled",
     gradients right, and a warning that per-layer state and weight reads follow the first."""
     first, second = models.MLP(), models.MLP()
@@ -237,9 +237,9 @@ def test_a_graph_reused_for_another_instance_is_reported():
     expected = copy.deepcopy(second)
     x = torch.randn(4, 16)
     with coverage_silent():
-        models.loss_of(backend.compile(first)(x)).backward()
+        models.loss_of(compile_with(backend, first)(x)).backward()
     with pytest.warns(fxgrad.CoverageWarning, match="reuses the graph compiled for layer 'net.0'"):
-        models.loss_of(backend.compile(second)(x)).backward()
+        models.loss_of(compile_with(backend, second)(x)).backward()
     models.loss_of(expected(x)).backward()
     ref.clip_global(expected, 1e-3)
     assert_grads_close(second, expected)
@@ -268,14 +268,16 @@ def test_two_forwards_before_one_backward_are_reported():
         (first + second).backward()
 
 
-def test_hugging_face_training_steps_raise_no_coverage_warning():
+def test_hugging_face_training_steps_raise_no_coverage_warning(compile_with):
     model, args, kwargs = models.build("gpt2")
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
-    compiled = backend.compile(model)
+    compiled = compile_with(backend, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     with coverage_silent():
         for _ in range(2):
-            model.zero_grad()
+            optimizer.zero_grad()
             models.loss_of(compiled(*args, **kwargs)).backward()
+            optimizer.step()
 
 
 def test_accumulation_is_reported_and_zeroed_gradients_are_not():
@@ -290,15 +292,15 @@ def test_accumulation_is_reported_and_zeroed_gradients_are_not():
         models.loss_of(compiled(torch.randn(4, 16))).backward()
 
 
-def test_recompiling_after_a_dynamo_reset_forgets_the_old_graphs():
+def test_recompiling_after_a_dynamo_reset_forgets_the_old_graphs(compile_with):
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
-    models.loss_of(backend.compile(model)(torch.randn(4, 16))).backward()
+    models.loss_of(compile_with(backend, model)(torch.randn(4, 16))).backward()
     _compat.reset_dynamo()
     model.zero_grad()
     expected = copy.deepcopy(model)
     x = torch.randn(4, 16)
-    models.loss_of(backend.compile(model)(x)).backward()  # the old graph is no graph break
+    models.loss_of(compile_with(backend, model)(x)).backward()  # the old graph is no graph break
     models.loss_of(expected(x)).backward()
     ref.clip_global(expected, 1e-3)
     assert_grads_close(model, expected)
@@ -357,11 +359,11 @@ def test_a_backward_that_bypasses_the_compiled_model_is_reported(call):
         out.sum().backward()
 
 
-def test_parameters_replaced_by_load_state_dict_assign_are_followed():
+def test_parameters_replaced_by_load_state_dict_assign_are_followed(compile_with):
     """Dynamo passes the new Parameter objects to the same graph: weight reads follow them."""
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.adaptive_grad_clip(0.05), compiler="aot_eager")
-    compiled = backend.compile(model)
+    compiled = compile_with(backend, model)
     x = torch.randn(4, 16)
     models.loss_of(compiled(x)).backward()
     old = list(model.parameters())  # still alive, as an optimizer would keep them
@@ -408,17 +410,17 @@ def test_parameters_replaced_by_load_state_dict_assign_are_followed():
     ],
     ids=["typo", "tied", "skip", "skipped", "shadowed", "multiplier"],
 )
-def test_routing_keys_and_skip_entries_that_reach_no_layer_are_reported(transform, skip, message):
+def test_routing_keys_and_skip_entries_that_reach_no_layer_are_reported(transform, skip, message, compile_with):
     model, _, _ = models.build("gpt2")
     with pytest.warns(fxgrad.CoverageWarning, match=message):
-        fxgrad.backend(transform, compiler="aot_eager", skip=skip).compile(model)
+        compile_with(fxgrad.backend(transform, compiler="aot_eager", skip=skip), model)
 
 
-def test_routing_keys_that_reach_layers_are_not_reported():
+def test_routing_keys_that_reach_layers_are_not_reported(compile_with):
     model, _, _ = models.build("gpt2")
     policy = fxgrad.by_name(
         {"*attn*": fxgrad.rescale(multipliers={"*.c_attn": 1.3})},
         default=fxgrad.by_type({nn.Embedding: fxgrad.rescale()}),
     )
     with coverage_silent():
-        fxgrad.backend(policy, compiler="aot_eager", skip=fxgrad.DEFAULT_SKIP + ("*ln_f*",)).compile(model)
+        compile_with(fxgrad.backend(policy, compiler="aot_eager", skip=fxgrad.DEFAULT_SKIP + ("*ln_f*",)), model)

@@ -26,11 +26,11 @@ def mlp_and_copy():
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_accumulating_four_micro_batches_equals_eager(policy):
+def test_accumulating_four_micro_batches_equals_eager(policy, compile_with):
     transform, reference = POLICIES[policy]
     model, eager = mlp_and_copy()
     backend = fxgrad.backend(transform, compiler="aot_eager", scope="step")
-    compiled = backend.compile(model)
+    compiled = compile_with(backend, model)
     micro_batches = [torch.randn(4, 16) for _ in range(4)]
     for x in micro_batches:
         models.loss_of(compiled(x)).backward()
@@ -41,13 +41,13 @@ def test_accumulating_four_micro_batches_equals_eager(policy):
     assert_grads_close(model, eager)
 
 
-def test_global_clip_across_a_graph_break():
+def test_global_clip_across_a_graph_break(compile_with):
     torch.manual_seed(0)
     model = BrokenMLP()
     eager = copy.deepcopy(model)
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
     x = torch.randn(5, 8)
-    models.loss_of(backend.compile(model)(x)).backward()
+    models.loss_of(compile_with(backend, model)(x)).backward()
     assert len(backend.graphs) == 2
     backend.step()
     models.loss_of(eager(x)).backward()
@@ -56,10 +56,10 @@ def test_global_clip_across_a_graph_break():
     assert backend.stats()["grad_norm/total_clipped"].item() == pytest.approx(1e-3, rel=1e-4)
 
 
-def test_state_advances_once_per_optimizer_step():
+def test_state_advances_once_per_optimizer_step(compile_with):
     model, eager = mlp_and_copy()
     backend = fxgrad.backend(fxgrad.autoclip(history=5), compiler="aot_eager", scope="step")
-    compiled = backend.compile(model)
+    compiled = compile_with(backend, model)
     reference = ref.AutoClip(90, 5, 0.1)
     for _ in range(6):
         model.zero_grad()
@@ -93,13 +93,13 @@ def test_step_works_without_compiling():
     assert_grads_close(model, eager)
 
 
-def test_step_scope_with_grad_scaler():
+def test_step_scope_with_grad_scaler(compile_with):
     model, eager = mlp_and_copy()
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in (model, eager)]
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step", scaler=scalers[0])
     x = torch.randn(8, 16)
-    scalers[0].scale(models.loss_of(backend.compile(model)(x))).backward()
+    scalers[0].scale(models.loss_of(compile_with(backend, model)(x))).backward()
     backend.step()  # before unscale_: it reads the scale and clips in unscaled units
     scalers[0].unscale_(optimizers[0])
     scalers[1].scale(models.loss_of(eager(x))).backward()
@@ -108,12 +108,12 @@ def test_step_scope_with_grad_scaler():
     assert_grads_close(model, eager)
 
 
-def test_optimizer_step_applies_the_policy_once():
+def test_optimizer_step_applies_the_policy_once(compile_with):
     """Without backend.step(), optimizer.step() applies it; on the same gradients, neither
     backend.step() nor the optimizer applies it again."""
     model, eager = mlp_and_copy()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
-    compiled = backend.compile(model)
+    compiled = compile_with(backend, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     for x in [torch.randn(4, 16) for _ in range(4)]:
         models.loss_of(compiled(x)).backward()
@@ -136,23 +136,23 @@ def test_optimizer_step_applies_the_policy_once():
     assert_grads_close(model, eager)
 
 
-def test_optimizer_step_after_grad_scaler_unscale():
+def test_optimizer_step_after_grad_scaler_unscale(compile_with):
     model, eager = mlp_and_copy()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step", scaler=scaler)
     x = torch.randn(8, 16)
-    scaler.scale(models.loss_of(backend.compile(model)(x))).backward()
+    scaler.scale(models.loss_of(compile_with(backend, model)(x))).backward()
     scaler.step(optimizer)  # unscale_, then optimizer.step(): the policy sees unscaled values
     models.loss_of(eager(x)).backward()
     ref.clip_global(eager, 1e-3)
     assert_grads_close(model, eager)
 
 
-def test_other_optimizers_are_left_alone():
+def test_other_optimizers_are_left_alone(compile_with):
     model, other = models.MLP(), models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager", scope="step")
-    backend.compile(model)(torch.randn(2, 16)).sum().backward()
+    compile_with(backend, model)(torch.randn(2, 16)).sum().backward()
     other(torch.randn(2, 16)).sum().backward()
     before = [p.grad.clone() for p in model.parameters()]
     torch.optim.SGD(other.parameters(), lr=0.0).step()
@@ -160,14 +160,14 @@ def test_other_optimizers_are_left_alone():
         torch.testing.assert_close(p.grad, grad, rtol=0, atol=0)
 
 
-def test_step_scope_under_compiled_autograd():
+def test_step_scope_under_compiled_autograd(compile_with):
     from torch._dynamo import compiled_autograd
 
     model, eager = mlp_and_copy()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
     x = torch.randn(8, 16)
     with compiled_autograd._enable(torch.compile(backend="aot_eager")):
-        models.loss_of(backend.compile(model)(x)).backward()
+        models.loss_of(compile_with(backend, model)(x)).backward()
     torch.optim.SGD(model.parameters(), lr=0.0).step()
     models.loss_of(eager(x)).backward()
     ref.clip_global(eager, 1e-3)

@@ -35,6 +35,7 @@ from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_miss
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
+from fxgrad.frontend.step_check import StepCheck, hand_over
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import StepScope, apply_to_grads
 from fxgrad.frontend.watch import ForwardWatch, track_wrapper
@@ -84,10 +85,23 @@ class Backend:
         self.scope = scope
         self.store = StateStore()
         self.registry = GraphRegistry()
-        self._models: list[weakref.ref] = []  # models given to compile() or step()
+        self._models: list[weakref.ref] = []  # models handed to torch.compile with it, or to step()
         self._graph_runs = 0  # calls of compiled forwards
+        self._backwards = 0  # backward passes through its graphs
+        self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models compile() watches per forward
         in_graph = transform is not None and scope != "step"
         self._coverage = CoverageCheck(transform, self.skip, strict) if in_graph else None
+        self._step_check = None  # the optimizer.step() check of the plain torch.compile path
+        if self._coverage is not None:
+            self._step_check = StepCheck(
+                self,
+                self.registry,
+                self._coverage,
+                lambda: [model for model, _ in self._step_models()],
+                self._watched,
+                lambda: self._backwards,
+                lambda: self.current_scope() == "graph",
+            )
         self._step = None  # runs the policy on .grad in step scope
         self._programs = StepPrograms(compiler)  # ... as compiled programs, by gradient layout
         if transform is not None:
@@ -126,8 +140,11 @@ class Backend:
                 f"fxgrad: a graph's outermost module shares layer names with another module, so its layers "
                 f"are named {', '.join(graph.renamed_roots)}.<layer> (by_name patterns will not match them). "
                 "This happens when a graph break inside a submodule's forward makes Dynamo compile that "
-                "forward alone: compile the model with backend.compile(model) so fxgrad knows its names."
+                "forward alone: compile the model itself, torch.compile(model, backend=backend), so fxgrad "
+                "knows its names."
             )
+        if self._step_check is not None:
+            self._step_check.arm()
         rewrite = functools.partial(self._rewrite_backward, graph)
         with _compat.autograd_cache_bypassed():
             compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite, patches)
@@ -141,7 +158,11 @@ class Backend:
             self._graph_runs += 1  # lets compile() see forwards that ran no compiled graph
             if graph.params and args[graph.params[0].index] is not graph.params[0].tensor():
                 self._rebind(graph, args)
-            return compiled(*args)
+            outputs = compiled(*args)
+            if self._step_check is not None and torch.is_grad_enabled():
+                for node in {t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
+                    node.register_prehook(self._backward_ran)
+            return outputs
 
         graph.compiled = weakref.ref(run)
         return run
@@ -153,6 +174,7 @@ class Backend:
         (``load_state_dict(assign=True)``) need nothing else; another module
         running the graph shares the first one's per-layer state.
         """
+        self.registry.rebound()
         if graph.rebind(args) or self._coverage is None:
             return
         self._coverage.warn(
@@ -164,37 +186,75 @@ class Backend:
             "fxgrad.backend(...), or use scope='step'."
         )
 
-    def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
-        """``torch.compile(model, backend=self, **compile_kwargs)``, plus a check.
+    def _backward_ran(self, grad_outputs: Any) -> None:
+        self._backwards += 1
 
-        Every forward with gradients enabled (and the first in any case) must run
-        a graph this backend compiled. If none did, the policy did nothing: e.g.
-        an ``nn.LSTM`` model under Dynamo's default ``allow_rnn=False`` runs
-        entirely eagerly, and Dynamo runs a frame eagerly once it was recompiled
-        ``recompile_limit`` times. It warns, or raises
-        :class:`fxgrad.CoverageError` when ``strict`` and the policy reduces
-        across layers. It also warns when a backward writes the gradient of
-        ``model``'s first trainable parameter without passing through the
-        compiled module (``model(x)`` called instead of the compiled module, or
-        an eager method such as ``get_text_features``). Layer names are relative
-        to ``model``.
+    def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
+        """``torch.compile(model, backend=self, **compile_kwargs)``, checked at each forward.
+
+        ``torch.compile(model, backend=backend)`` gets the policy and the
+        checks at ``optimizer.step()`` (see :attr:`__name__`). This
+        adds a check at each forward: every forward with gradients enabled (and
+        the first in any case) must run a graph this backend compiled. If none
+        did, the policy did nothing: e.g. an ``nn.LSTM`` model under Dynamo's
+        default ``allow_rnn=False`` runs entirely eagerly, and Dynamo runs a
+        frame eagerly once it was recompiled ``recompile_limit`` times. It
+        warns, or raises :class:`fxgrad.CoverageError` when ``strict`` and the
+        policy reduces across layers. It also warns when a backward writes the
+        gradient of ``model``'s first trainable parameter without passing
+        through the compiled module (``model(x)`` called instead of the
+        compiled module, or an eager method such as ``get_text_features``),
+        when a backward accumulates into ``.grad`` in graph scope, and when one
+        backward takes the outputs of two forwards. Layer names are relative to
+        ``model``.
         """
         patches = _compat.inductor_config_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
         if patches and self.compiler != "inductor":
             raise ValueError(f"mode= and options= configure Inductor; this backend has compiler={self.compiler!r}")
-        self.check_policy_reaches(model)
+        self._adopt(model)
         compiled = torch.compile(model, backend=self, **compile_kwargs)
         track_wrapper(model, compiled)
-        self._models.append(weakref.ref(model))
-        self.registry.roots.setdefault(id(model), Root(weakref.ref(model), ""))
         if self._coverage is not None:
+            self._watched.add(model)
             in_graph = lambda: self.current_scope() == "graph"  # noqa: E731
             ForwardWatch(model, self._coverage, lambda: self._graph_runs, in_graph).install(compiled)
         return compiled
 
+    @property
+    def __name__(self) -> str:
+        """``"fxgrad"``. Reading it is how fxgrad learns the model it compiles.
+
+        ``torch.compile`` reads its backend's name once, when it is handed the
+        backend (docs/design.md, fact 14). Then ``torch.compile(model,
+        backend=backend)``, ``model.compile(backend=backend)`` and
+        ``torch.compile(DDP(model), backend=backend)`` name layers relative to
+        ``model`` (across graph breaks too), report routing keys that reach no
+        layer, and check at each ``optimizer.step()`` that no layer the policy
+        targets got its gradient outside the backend's graphs
+        (:mod:`fxgrad.frontend.step_check`).
+        """
+        target = _compat.model_being_compiled()
+        module = getattr(target, "__self__", target)  # Module.compile hands over its bound _call_impl
+        if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            module = module.module
+        if isinstance(module, nn.Module):
+            self._adopt(module)
+        return "fxgrad"
+
+    def _adopt(self, model: nn.Module) -> None:
+        """``model`` is compiled with this backend: learn its names, check the policy reaches it."""
+        hand_over(model, self)
+        if any(ref() is model for ref in self._models):
+            return
+        self.check_policy_reaches(model)
+        self._models.append(weakref.ref(model))
+        self.registry.roots.setdefault(id(model), Root(weakref.ref(model), ""))
+        if self._step_check is not None:
+            self._step_check.arm()
+
     def check_policy_reaches(self, model: nn.Module) -> None:
         """Warn for each routing key, multiplier key or added skip entry that reaches no
-        layer of ``model`` (each does nothing); :meth:`compile` calls it."""
+        layer of ``model`` (each does nothing); compiling the model calls it."""
         for miss in policy_misses(self.transform, self.skip, model):
             warnings.warn(miss, CoverageWarning, stacklevel=3)
 

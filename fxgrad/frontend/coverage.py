@@ -172,10 +172,7 @@ class CoverageCheck:
         if fatal:
             text = "\n".join(gap.describe() for gap in fatal)
             layers = [layer for gap in fatal for layer, _ in gap.layers]
-            message = f"fxgrad: {text}\n{FATAL_ADVICE}{rnn_hint(layers)}"
-            if self.strict:
-                raise CoverageError(message)
-            self.warn(message)
+            self.report(f"fxgrad: {text}\n{FATAL_ADVICE}{rnn_hint(layers)}", fatal=True)
         for gap in gaps:
             if not gap.fatal:
                 self.warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
@@ -191,7 +188,7 @@ class CoverageCheck:
             )
             self.warn(f"fxgrad: {count} frozen (requires_grad=False) and get no gradient: {names}{more}")
 
-    def ran_eagerly(self, model: nn.Module, first: bool) -> None:
+    def ran_eagerly(self, model: nn.Module, first: bool, hint: str = "") -> None:
         """A forward of ``model`` ran no graph of this backend: the policy did nothing."""
         if not any(p.requires_grad for p in model.parameters()):
             return
@@ -204,8 +201,15 @@ class CoverageCheck:
                 "does once a frame was recompiled torch._dynamo.config.recompile_limit times (e.g. once "
                 "per new input shape; mark the dimension dynamic or raise the limit)"
             )
-        message = f"fxgrad: {why}, and the policy {self.transform!r} does nothing.{rnn_hint(layers)}"
-        if self.strict and any(route.leaf.reach == "group" for route in self.transform.routes(layers)):
+        self.report(
+            f"fxgrad: {why}, and the policy {self.transform!r} does nothing.{rnn_hint(layers)}{hint}",
+            fatal=any(route.leaf.reach == "group" for route in self.transform.routes(layers)),
+        )
+
+    def report(self, message: str, fatal: bool) -> None:
+        """Raise :class:`CoverageError` when ``fatal`` (a transform reduces across layers) and
+        ``strict``; warn once otherwise."""
+        if fatal and self.strict:
             raise CoverageError(message)
         self.warn(message)
 

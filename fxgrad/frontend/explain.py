@@ -23,6 +23,7 @@ import torch.nn as nn
 from fxgrad.core.layers import parameter_owners, skip_reason
 from fxgrad.frontend.backend import Backend
 from fxgrad.frontend.coverage import CoverageWarning
+from fxgrad.frontend.step_check import handed_back
 from fxgrad.frontend.step_scope import step_routes
 from fxgrad.passes.capture import CapturedGraph
 
@@ -122,7 +123,7 @@ def explain(model: nn.Module, *args: Any, backend: Backend, **kwargs: Any) -> Re
         keep_code=True,
         scope=backend.scope,
     )
-    with _restored(model), warnings.catch_warnings(record=True) as caught:
+    with _restored(model), handed_back(model), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CoverageWarning)
         compiled = probe.compile(model)
         loss = _loss_of(compiled(*args, **kwargs))

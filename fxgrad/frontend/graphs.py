@@ -56,6 +56,7 @@ class GraphRegistry:
         self.roots: dict[int, Root] = {}
         self._forward_order: list[str] = []  # layer names, first use first
         self._frames: dict[int | None, int] = {}  # Dynamo frame id -> its number here, first compiled first
+        self._held: set[int] | None = None  # id() of the parameters the graphs hold, until one changes
 
     def add(self, graph: CapturedGraph) -> None:
         # Dynamo discards the graphs of an analysis it restarted (same compile id), and
@@ -66,6 +67,22 @@ class GraphRegistry:
         self.graphs.append(graph)
         self._frames.setdefault(graph.compile_id[0], len(self._frames))
         self._forward_order = merged_order(self._forward_order, dict.fromkeys(p.layer for p in graph.params))
+        self._held = None
+
+    def held(self) -> set[int]:
+        """``id()`` of every parameter the graphs hold (call :meth:`rebound` when one rebinds)."""
+        if self._held is None:
+            self._held = {id(p.tensor()) for graph in self.graphs for p in graph.params}
+        return self._held
+
+    def rebound(self) -> None:
+        """A graph now runs with other parameters (:meth:`CapturedGraph.rebind`)."""
+        self._held = None
+
+    def prefix(self, model: object) -> str:
+        """The prefix of ``model``'s layer names (see :class:`Root`)."""
+        root = self.roots.get(id(model))
+        return root.prefix if root is not None else ""
 
     def forward_order(self) -> list[str]:
         """Layer names in the order the compiled forward first used them."""

@@ -32,7 +32,6 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fxgrad import _compat
 from fxgrad.core.layers import (
@@ -43,6 +42,7 @@ from fxgrad.core.layers import (
     parameter_owners,
 )
 from fxgrad.core.rule import Route, Transform
+from fxgrad.frontend.step_check import optimizer_pre_hook
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.runtime.executor import run_policy
 from fxgrad.runtime.state import StateStore
@@ -122,8 +122,7 @@ class StepScope:
         """Hook ``optimizer.step()`` (once; removed when this object dies)."""
         if not self._armed:
             self._armed = True
-            handle = register_optimizer_step_pre_hook(_optimizer_hook(weakref.ref(self)))
-            weakref.finalize(self, handle.remove)
+            optimizer_pre_hook(self, StepScope.before_optimizer_step)
 
     def apply(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list[nn.Parameter] | None = None) -> None:
         """Run the policy on ``models``' gradients (``params``: their parameters, if known),
@@ -154,15 +153,6 @@ class StepScope:
             if ref is None or ref() is not p.grad or version != _compat.tensor_version(p.grad):
                 return True
         return False
-
-
-def _optimizer_hook(scope: weakref.ref) -> Callable:
-    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        live = scope()
-        if live is not None:
-            live.before_optimizer_step(optimizer)
-
-    return before_step
 
 
 def _parameters(models: list[tuple[nn.Module, str]]) -> Iterator[nn.Parameter]:

@@ -1,0 +1,208 @@
+"""No silent no-op on the plain ``torch.compile`` path: a check at ``optimizer.step()``.
+
+``torch.compile(model, backend=backend)`` and ``model.compile(backend=backend)``
+give fxgrad no hook around the model's forward, and Dynamo may never call the
+backend at all (an ``nn.LSTM`` without ``allow_rnn``, ``Module.compile`` or
+``torch.compile(DDP(model))`` of an ``nn.Sequential``). Every training loop
+passes through ``optimizer.step()``, though: one global step pre-hook per
+backend, held weakly, looks at the parameters the optimizer steps, with no
+host sync. For each model the backend was handed (learnt from the
+``torch.compile`` call, see :meth:`fxgrad.Backend.get_compiler_config`) or met
+in a graph, it reports once:
+
+* layers the policy targets whose parameters have a gradient that no graph of
+  the backend produced: they ran eagerly (this includes "no graph reached the
+  backend at all");
+* gradients that changed since the optimizer's last step while no backward
+  of a graph of the backend ran: Dynamo ran the forward eagerly (its
+  recompile limit), or the original model was called instead of the
+  compiled one.
+
+It warns with :class:`fxgrad.CoverageWarning`, or raises
+:class:`fxgrad.CoverageError` when ``strict`` and a transform reduces across
+layers. ``backend.compile(model)`` checks the same at each forward
+(:mod:`fxgrad.frontend.watch`), so models it compiled are left to that. Only
+the backend a model was compiled with last checks it.
+
+    check = StepCheck(backend)
+    check.arm()     # once; the hook dies with the check
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from fxgrad import _compat
+from fxgrad.core.layers import build_layers, model_rows, parameter_owners
+from fxgrad.frontend.coverage import CoverageCheck, rnn_hint
+from fxgrad.frontend.graphs import GraphRegistry
+
+_NEWEST: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+RECOMPILED = (
+    "fxgrad: the gradients of {model} changed since the optimizer's last step, but no backward "
+    "of a graph compiled by this backend ran: Dynamo ran the forward eagerly (as it does once a frame was "
+    "recompiled torch._dynamo.config.recompile_limit times, e.g. once per new input shape; mark "
+    "the dimension dynamic or raise the limit), or the original model was called instead of the "
+    "compiled one. The policy {transform!r} did not run on them."
+)
+
+TORCH_NN_FORWARD = (
+    "\n{model}.forward is torch.nn's own code, which Dynamo compiles only as the forward of the "
+    "module torch.compile returns: model.compile() and torch.compile(DDP(model)) leave it eager. "
+    "Use model = torch.compile(model, backend=backend), and wrap that in DDP."
+)
+
+STEP_SCOPE = (
+    " fxgrad.backend(..., scope='step') applies the policy to .grad at optimizer.step(), whatever Dynamo compiled."
+)
+
+
+def hand_over(model: nn.Module, owner: Any) -> None:
+    """Record that ``owner`` (a backend) is the newest to compile ``model``."""
+    _NEWEST[model] = weakref.ref(owner)
+
+
+@contextlib.contextmanager
+def handed_back(model: nn.Module) -> Iterator[None]:
+    """Give ``model`` back to the backend that compiled it before the block (``explain``
+    compiles it with a backend of its own)."""
+    before = _NEWEST.get(model)
+    try:
+        yield
+    finally:
+        if before is None:
+            _NEWEST.pop(model, None)
+        else:
+            _NEWEST[model] = before
+
+
+def optimizer_pre_hook(owner: Any, method: Callable[[Any, torch.optim.Optimizer], None]) -> None:
+    """Call ``method(owner, optimizer)`` before every ``optimizer.step()`` while
+    ``owner`` lives; the global hook holds ``owner`` weakly and goes with it."""
+    ref = weakref.ref(owner)
+
+    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        live = ref()
+        if live is not None:
+            method(live, optimizer)
+
+    handle = register_optimizer_step_pre_hook(before_step)
+    weakref.finalize(owner, handle.remove)
+
+
+@dataclasses.dataclass
+class _Seen:
+    """What one optimizer's last step looked like to the check."""
+
+    backwards: int = -1
+    grad: Callable[[], Any] = lambda: None  # a stepped parameter's .grad, weakly
+    version: int = -1
+    unheld: frozenset = frozenset()  # ids of stepped parameters no graph holds, already judged
+
+
+class StepCheck:
+    """The ``optimizer.step()`` check of one backend (see the module docstring).
+
+    ``models()`` lists the models the backend was handed or met, ``watched``
+    those that ``backend.compile`` watches at each forward, ``backwards()``
+    counts backward passes through the backend's graphs and ``in_graph()``
+    tells whether the policy runs in the backward graphs now.
+    """
+
+    def __init__(
+        self,
+        owner: Any,
+        registry: GraphRegistry,
+        coverage: CoverageCheck,
+        models: Callable[[], list[nn.Module]],
+        watched: weakref.WeakSet,
+        backwards: Callable[[], int],
+        in_graph: Callable[[], bool],
+    ) -> None:
+        self.owner = weakref.ref(owner)
+        self.registry, self.coverage, self.models, self.watched = registry, coverage, models, watched
+        self.backwards, self.in_graph = backwards, in_graph
+        self._seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Seen] = weakref.WeakKeyDictionary()
+        self._armed = False
+
+    def arm(self) -> None:
+        if not self._armed:
+            self._armed = True
+            optimizer_pre_hook(self, StepCheck.before_optimizer_step)
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.in_graph():
+            return
+        stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not stepped:
+            return
+        seen = self._seen.setdefault(optimizer, _Seen())
+        held = self.registry.held()
+        unheld = frozenset(id(p) for p in stepped if id(p) not in held)
+        if unheld and unheld != seen.unheld:
+            seen.unheld = unheld
+            self._unheld(unheld)
+        probe = next((p for p in stepped if id(p) in held), None)
+        backwards = self.backwards()
+        if probe is not None:
+            version = _compat.tensor_version(probe.grad)
+            if (seen.grad() is not probe.grad or seen.version != version) and backwards == seen.backwards:
+                self._bypassed(probe)
+            seen.grad, seen.version = weakref.ref(probe.grad), version
+        seen.backwards = backwards
+
+    def _checked_models(self) -> list[nn.Module]:
+        owner = self.owner()
+        return [m for m in self.models() if m not in self.watched and _NEWEST.get(m, lambda: None)() is owner]
+
+    def _unheld(self, unheld: frozenset) -> None:
+        """Parameters with a gradient that no graph of the backend holds."""
+        reported = {layer.name for graph in self.registry.graphs for gap in graph.gaps for layer, _ in gap.layers}
+        for model in self._checked_models():
+            prefix = self.registry.prefix(model)
+            layers = build_layers(model_rows(model, prefix)[0], self.registry.forward_order(), self.coverage.skip)
+            owners = parameter_owners(model, prefix)
+            missing = {owners[pid].param for pid in unheld if pid in owners}
+            left_out = [
+                layer
+                for route in self.coverage.transform.routes(layers)
+                for layer in route.layers
+                if layer.name not in reported and missing & set(layer.params)
+            ]
+            if not left_out:
+                continue
+            if not any(pid in self.registry.held() for pid in owners):
+                self.coverage.ran_eagerly(model, True, self._hint(model))
+                continue
+            names = ", ".join(dict.fromkeys(layer.name for layer in left_out))
+            self.coverage.report(
+                f"fxgrad: layers of {type(model).__name__} that the policy {self.coverage.transform!r} targets "
+                f"got gradients from no graph of this backend (their forward ran eagerly): {names}."
+                f"{rnn_hint(left_out)}{self._hint(model)}",
+                fatal=any(route.leaf.reach == "group" for route in self.coverage.transform.routes(left_out)),
+            )
+
+    def _bypassed(self, probe: nn.Parameter) -> None:
+        """``probe``'s gradient is new, yet no compiled forward ran since the last step."""
+        for model in self._checked_models():
+            if any(p is probe for p in model.parameters()):
+                rows = model_rows(model, "")[0]
+                layers = build_layers(rows, (), self.coverage.skip)
+                self.coverage.report(
+                    RECOMPILED.format(model=type(model).__name__, transform=self.coverage.transform),
+                    fatal=any(route.leaf.reach == "group" for route in self.coverage.transform.routes(layers)),
+                )
+
+    @staticmethod
+    def _hint(model: nn.Module) -> str:
+        if type(model).forward.__module__.startswith("torch.nn."):
+            return TORCH_NN_FORWARD.format(model=type(model).__name__) + STEP_SCOPE
+        return "\ntorch._dynamo.explain(model)(*args) lists what Dynamo could not compile, and why." + STEP_SCOPE

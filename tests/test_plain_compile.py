@@ -1,0 +1,237 @@
+"""The plain ``torch.compile(model, backend=backend)`` path: no silent no-op, no false alarm.
+
+Ordinary training loops (``zero_grad``, forward, ``backward``, ``optimizer.step()``) as
+users and frameworks write them, without ``backend.compile``. Where Dynamo leaves the
+policy nothing to act on, fxgrad says so at the latest at ``optimizer.step()``.
+"""
+
+import contextlib
+import copy
+import socket
+import warnings
+
+import pytest
+import reference as ref
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from parity import assert_grads_close
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fxgrad
+from fxgrad import _compat
+
+
+@contextlib.contextmanager
+def coverage_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        yield
+
+
+@contextlib.contextmanager
+def one_process_group():
+    """A one-process gloo group, as ``torchrun --nproc-per-node 1`` gives."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class LSTMNet(nn.Module):
+    """The clipping article's case: an embedding Linear, an LSTM, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.lstm, self.head = nn.Linear(4, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h, _ = self.lstm(self.embed(x))
+        return self.head(h[:, -1])
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.aux = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.head(h), self.aux(h)
+
+    def encode(self, x):
+        return self.body(x)
+
+
+def sequential():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def train(model, call, steps=2, x=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        out = call(torch.randn(4, 8) if x is None else x)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+        optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize("wrapper", ["torch.compile", "Module.compile"])
+def test_lstm_without_allow_rnn_is_reported_at_the_optimizer_step(wrapper):
+    _compat.dynamo_config().allow_rnn = False
+    model = LSTMNet()
+    policy = fxgrad.by_type({nn.LSTM: fxgrad.clip_by_norm(0.01)}, default=fxgrad.clip_by_norm(0.05))
+    backend = fxgrad.backend(policy, compiler="aot_eager")
+    if wrapper == "torch.compile":
+        call = torch.compile(model, backend=backend)
+    else:
+        model.compile(backend=backend)
+        call = model
+    with pytest.warns(fxgrad.CoverageWarning, match="(?s)no graph of LSTMNet reached the backend.*allow_rnn = True"):
+        train(model, call, x=torch.randn(2, 5, 4))
+
+    global_clip = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager")
+    with pytest.raises(fxgrad.CoverageError, match="no graph of LSTMNet"):
+        train(model, torch.compile(model, backend=global_clip), x=torch.randn(2, 5, 4))
+
+
+def test_module_compile_of_a_sequential_is_reported():
+    """``Module.compile`` compiles ``_call_impl``; Dynamo skips torch.nn's own forward under it."""
+    model = sequential()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.01), compiler="aot_eager")
+    model.compile(backend=backend)
+    with pytest.warns(fxgrad.CoverageWarning, match="(?s)no graph of Sequential.*torch.compile\\(model, backend"):
+        train(model, model)
+
+
+def test_compiled_ddp_of_a_sequential_is_reported():
+    with one_process_group():
+        model = sequential()
+        backend = fxgrad.backend(fxgrad.clip_by_norm(0.01), compiler="aot_eager")
+        compiled = torch.compile(DDP(model), backend=backend)
+        with pytest.warns(fxgrad.CoverageWarning, match="(?s)no graph of Sequential.*wrap that in DDP"):
+            train(model, compiled)
+
+
+def test_documented_ddp_order_and_step_scope_apply_the_policy():
+    """``DDP(torch.compile(model, backend=...))``; and step scope for what Dynamo leaves eager."""
+    with one_process_group():
+        for scope, wrap in (("graph", lambda m, b: DDP(torch.compile(m, backend=b))), ("step", None)):
+            torch.manual_seed(0)
+            model = sequential()
+            expected = copy.deepcopy(model)
+            backend = fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager", scope=scope)
+            if wrap is None:  # Module.compile of an nn.Sequential: no graph, step scope applies it
+                model.compile(backend=backend)
+                call = model
+            else:
+                call = wrap(model, backend)
+            x = torch.randn(4, 8)
+            with coverage_silent():
+                call(x).sum().backward()
+                if scope == "step":
+                    backend.step()  # the model is known from the torch.compile call
+            expected(x).sum().backward()
+            ref.clip_per_layer(expected, 1e-3)
+            assert_grads_close(model, expected)
+
+
+def test_an_eager_method_and_the_recompile_limit_are_reported():
+    model = TwoOutputs()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    optimizer = train(model, compiled)
+    optimizer.zero_grad()
+    model.encode(torch.randn(4, 8)).sum().backward()  # an eager method: no graph of the backend
+    with pytest.warns(fxgrad.CoverageWarning, match="no backward of a graph compiled by this backend ran"):
+        optimizer.step()
+
+    model = sequential()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for batch in (2, 3, 4):
+            optimizer.zero_grad()
+            compiled(torch.randn(batch, 8)).sum().backward()
+            if batch < 4:
+                optimizer.step()
+        with pytest.raises(fxgrad.CoverageError, match="recompile_limit"):
+            optimizer.step()
+
+
+def test_ordinary_loops_raise_no_warning(compile_with):
+    """Checkpointing, retain_graph, inference_mode, partial outputs, validation forwards,
+    dropped batches, and a second model with its own optimizer and no fxgrad."""
+    model, other = TwoOutputs(), sequential()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
+    unused = fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager")  # created, never used
+    compiled = compile_with(backend, model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    with coverage_silent():
+        for step in range(3):
+            optimizer.zero_grad()
+            head, _ = compiled(x)  # the aux output is dropped
+            head.sum().backward(retain_graph=True)
+            head.mean().backward()  # a second backward through the same graph
+            optimizer.step()
+            optimizer.zero_grad()
+            checkpointed = torch.utils.checkpoint.checkpoint(compiled, x, use_reentrant=False)
+            checkpointed[1].sum().backward()
+            optimizer.step()
+            compiled(x)  # a dropped batch: forward, no backward
+            with torch.inference_mode():
+                compiled(x)
+            model.eval()
+            with torch.no_grad():
+                compiled(x)
+            model.train()
+            other_optimizer.zero_grad()
+            other(x).sum().backward()
+            other_optimizer.step()
+    del unused
+
+
+def test_step_scope_on_the_plain_path_needs_no_backend_step(compile_with):
+    torch.manual_seed(0)
+    model = sequential()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    compiled = compile_with(backend, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    expected_optimizer = torch.optim.SGD(expected.parameters(), lr=1.0)
+    with coverage_silent():
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            optimizer.zero_grad()
+            compiled(x).sum().backward()
+            optimizer.step()
+            expected_optimizer.zero_grad()
+            expected(x).sum().backward()
+            ref.clip_global(expected, 1e-3)
+            expected_optimizer.step()
+    for actual, wanted in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(actual, wanted, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.inductor
+def test_plain_inductor_loop_is_exact_and_silent():
+    model = TwoOutputs()
+    backend = fxgrad.backend(fxgrad.by_type({nn.Linear: fxgrad.clip_by_norm(1e-3)}))
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 8)
+    with coverage_silent():
+        train(model, compiled, steps=1, x=x)
+    expected = copy.deepcopy(model)
+    model.zero_grad()
+    sum(out.sum() for out in compiled(x)).backward()
+    sum(out.sum() for out in expected(x)).backward()
+    ref.clip_per_layer(expected, 1e-3)
+    assert_grads_close(model, expected, rtol=1e-5)
