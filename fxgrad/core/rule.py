@@ -88,12 +88,18 @@ class Leaf(Transform):
       (global clipping) cover every layer.
     * ``hides_nonfinite``: it replaces Inf/NaN, which a GradScaler must see,
       so a backend with a scaler refuses it.
+    * ``backs_off``: its threshold reads ``ctx.threshold(...)``, which
+      ``skip_nonfinite(backoff=...)`` earlier in the policy lowers.
     """
 
     reach: ClassVar[Reach] = "layer"
     per_layer: ClassVar[bool] = True
     hides_nonfinite: ClassVar[bool] = False
+    backs_off: ClassVar[bool] = False
     name: ClassVar[str] = "leaf"
+
+    def check_followers(self, later: Sequence[Leaf]) -> None:
+        """Raise ``ValueError`` if this leaf needs something of the leaves after it in the policy."""
 
     def __repr__(self) -> str:
         return call_repr(self.name, **self.shown_fields())

@@ -76,6 +76,9 @@ class Backend:
         for name, flag in (("strict", strict), ("keep_code", keep_code)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
+        leaves = transform.leaves() if transform is not None else []
+        for position, leaf in enumerate(leaves):
+            leaf.check_followers(leaves[position + 1 :])
         self.transform = transform
         self.skip: tuple[SkipEntry, ...] = validate_skip(skip)
         self.compiler = compiler

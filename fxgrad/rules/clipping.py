@@ -27,6 +27,8 @@ from fxgrad.runtime.norm_math import Factor, NormStats, cast, l2, widen
 class _NormClip(ScaleLeaf):
     """What the global and the per-layer norm clip share: a threshold and a p-norm."""
 
+    backs_off = True
+
     max_norm: float
     norm_type: float = field(2.0, shown=lambda rule: rule.norm_type != 2.0)
 
@@ -62,7 +64,7 @@ class ClipByGlobalNorm(_NormClip):
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         total = norm_math.group_norm(stats, self.norm_type)
-        coef = norm_math.clip_coefficient(total, self.max_norm)
+        coef = norm_math.clip_coefficient(total, ctx.threshold(self.max_norm))
         ctx.emit("grad_norm/total", total)
         ctx.emit("grad_norm/total_clipped", total * coef)
         ctx.emit("clip_coef", coef)
@@ -84,7 +86,8 @@ class ClipByNorm(_NormClip):
     name = "clip_by_norm"
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
-        return [norm_math.clip_coefficient(s.norm(self.norm_type), self.max_norm) for s in stats]
+        max_norm = ctx.threshold(self.max_norm)
+        return [norm_math.clip_coefficient(s.norm(self.norm_type), max_norm) for s in stats]
 
 
 @rule
@@ -101,6 +104,7 @@ class ClipByValue(Leaf):
 
     name = "clip_by_value"
     reach = "element"
+    backs_off = True
 
     clip_value: float
 
@@ -108,10 +112,10 @@ class ClipByValue(Leaf):
         self.set(clip_value=validate.positive("clip_value", self.clip_value))
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
-        if ctx.scale is None:
-            v = self.clip_value
+        v = ctx.threshold(self.clip_value)
+        if ctx.scale is None and not isinstance(v, torch.Tensor):
             return [[g.clamp(-v, v) for g in group] for group in grads]
-        bound = (ctx.scale * self.clip_value).float()  # the gradients in the graph are scaled
+        bound = (v if ctx.scale is None else ctx.scale * v).float()  # the gradients in the graph are scaled
         return [[_clamp(g, bound) for g in group] for group in grads]
 
 
@@ -139,6 +143,7 @@ class AdaptiveGradClip(Leaf):
 
     name = "adaptive_grad_clip"
     reach = "element"  # unit-wise: each output row on its own
+    backs_off = True
 
     clipping: float = 0.01
     eps: float = 1e-3
@@ -152,12 +157,19 @@ class AdaptiveGradClip(Leaf):
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
         weight_norms = ctx.weight_row_norms()
         inverse = None if ctx.scale is None else 1.0 / ctx.scale
+        clipping = ctx.threshold(self.clipping)
         out = []
         for group, layer_norms in zip(grads, weight_norms):
-            out.append([self._one(g, w, inverse) for g, w in zip(group, layer_norms)])
+            out.append([self._one(g, w, inverse, clipping) for g, w in zip(group, layer_norms)])
         return out
 
-    def _one(self, grad: torch.Tensor, weight_norm: torch.Tensor, inverse: torch.Tensor | None) -> torch.Tensor:
+    def _one(
+        self,
+        grad: torch.Tensor,
+        weight_norm: torch.Tensor,
+        inverse: torch.Tensor | None,
+        clipping: float | torch.Tensor,
+    ) -> torch.Tensor:
         g = widen(grad)
         if g.dim() <= 1:
             norm = l2(g)
@@ -165,6 +177,6 @@ class AdaptiveGradClip(Leaf):
             norm = l2(g, dim=tuple(range(1, g.dim())), keepdim=True)
         if inverse is not None:
             norm = norm * inverse.to(norm.dtype)
-        bound = weight_norm.to(norm.dtype).clamp_min(self.eps) * self.clipping
+        bound = weight_norm.to(norm.dtype).clamp_min(self.eps) * clipping
         clipped = g * (bound / norm.clamp_min(1e-6))
         return cast(torch.where(norm < bound, g, clipped), grad.dtype)

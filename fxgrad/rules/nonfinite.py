@@ -16,8 +16,9 @@ from typing import Any, Sequence
 
 import torch
 
+from fxgrad.core import validate
 from fxgrad.core.layers import Layer
-from fxgrad.core.rule import LayerGrads, Leaf, rule
+from fxgrad.core.rule import LayerGrads, Leaf, field, rule
 from fxgrad.runtime.context import RouteContext
 from fxgrad.runtime.state import flat
 
@@ -63,9 +64,22 @@ class SkipNonfinite(Leaf):
     weights by ``lr * m / (sqrt(v) + eps)``, and weight decay still applies.
     To really skip, use :func:`step_if_finite`.
 
+    ``backoff`` is the threshold half of the clipping article's recipe for a
+    non-finite step ("roll back, then lower the clip threshold by 20%"): each
+    non-finite step multiplies the thresholds of the clipping rules after it in
+    the policy (``clip_by_global_norm``, ``clip_by_norm``, ``clip_by_value``,
+    ``adaptive_grad_clip``'s ``clipping``) by ``backoff``, on the device. With
+    ``growth_interval=N``, N finite steps in a row divide them by ``backoff``
+    again, up to the thresholds as configured, the way ``GradScaler`` grows its
+    scale back. The factor is the statistic ``threshold_scale`` and is saved in
+    ``state_dict()``. The rollback half is the training loop's: see
+    ``examples/rollback.py``.
+
         >>> import fxgrad
         >>> fxgrad.skip_nonfinite()
         skip_nonfinite()
+        >>> fxgrad.chain(fxgrad.skip_nonfinite(backoff=0.8, growth_interval=100), fxgrad.clip_by_global_norm(1.0))
+        chain(skip_nonfinite(backoff=0.8, growth_interval=100), clip_by_global_norm(max_norm=1.0))
     """
 
     name = "skip_nonfinite"
@@ -73,12 +87,43 @@ class SkipNonfinite(Leaf):
     per_layer = False
     hides_nonfinite = True
 
+    backoff: float | None = field(None, shown=lambda rule: rule.backoff is not None)
+    growth_interval: int | None = field(None, shown=lambda rule: rule.growth_interval is not None)
+
+    def __post_init__(self) -> None:
+        if self.backoff is not None:
+            self.set(backoff=validate.fraction("backoff", self.backoff))
+        if self.growth_interval is not None:
+            if self.backoff is None:
+                raise ValueError("growth_interval grows the thresholds back after a backoff: give backoff= too")
+            self.set(growth_interval=validate.positive_int("growth_interval", self.growth_interval))
+
+    def check_followers(self, later: Sequence[Leaf]) -> None:
+        if self.backoff is not None and not any(leaf.backs_off for leaf in later):
+            raise ValueError(
+                f"backoff: {self!r} lowers the thresholds of the clipping rules after it in the policy "
+                "(clip_by_global_norm, clip_by_norm, clip_by_value, adaptive_grad_clip), and none follows it"
+            )
+
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
         finite = [torch.isfinite(g.abs().amax()) for group in grads for g in group]
         bad = ~functools.reduce(torch.logical_and, finite)
-        state = ctx.state(shared={"steps": ((), 0.0)})
-        steps = state["steps"] + bad.to(torch.float64)
-        ctx.save(state, steps=steps)
+        if self.backoff is None:
+            state = ctx.state(shared={"steps": ((), 0.0)})
+            steps = state["steps"] + bad.to(torch.float64)
+            ctx.save(state, steps=steps)
+        else:
+            state = ctx.state(shared={"steps": ((), 0.0), "threshold_scale": ((), 1.0), "finite_run": ((), 0.0)})
+            steps = state["steps"] + bad.to(torch.float64)
+            scale = torch.where(bad, state["threshold_scale"] * self.backoff, state["threshold_scale"])
+            run = torch.where(bad, torch.zeros_like(state["finite_run"]), state["finite_run"] + 1)
+            if self.growth_interval is not None:
+                grow = run >= self.growth_interval
+                scale = torch.where(grow, torch.clamp_max(scale / self.backoff, 1.0), scale)
+                run = torch.where(grow, torch.zeros_like(run), run)
+            ctx.save(state, steps=steps, threshold_scale=scale, finite_run=run)
+            ctx.lower_thresholds(scale)
+            ctx.emit("threshold_scale", scale)
         ctx.emit("nonfinite_step", bad.to(torch.float64))
         ctx.emit("nonfinite_steps", steps)
         return [[g.masked_fill(bad, 0) for g in group] for group in grads]

@@ -51,6 +51,7 @@ class GraphContext:
         self._stats: dict[str, tuple[str, str] | None] = {}  # key -> (statistic, layer) if per layer
         self._stat_order: list[tuple[list[str], torch.Tensor]] = []
         self.scale: torch.Tensor | None = None
+        self.threshold_scale: torch.Tensor | None = None  # set by skip_nonfinite(backoff=...)
         if scaler is not None:
             read = lambda: _read_scale(scaler)  # noqa: E731
             group = store.external_group("loss scale", ("loss scale",), read, 1, device)
@@ -103,6 +104,16 @@ class RouteContext:
     def scale(self) -> torch.Tensor | None:
         """The loss scale (float64, 0-dim) when the backend has a GradScaler."""
         return self.graph.scale
+
+    def threshold(self, value: float) -> float | torch.Tensor:
+        """A clipping threshold as configured, times the factor that
+        ``skip_nonfinite(backoff=...)`` earlier in the policy keeps (float64, on the device)."""
+        scale = self.graph.threshold_scale
+        return value if scale is None else scale * value
+
+    def lower_thresholds(self, scale: torch.Tensor) -> None:
+        """Make :meth:`threshold` multiply by ``scale`` for the routes recorded after this one."""
+        self.graph.threshold_scale = scale
 
     def state(
         self,
