@@ -16,6 +16,7 @@ ALLOWED = {
     "runtime": {"core", "runtime"},
     "rules": {"core", "runtime", "rules"},
     "frontend": {"core", "passes", "runtime", "rules", "frontend"},
+    "integrations": {"core", "passes", "runtime", "rules", "frontend", "integrations"},
 }
 
 

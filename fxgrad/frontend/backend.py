@@ -321,6 +321,16 @@ class Backend:
         self._step.arm()
         self._step.apply(models, self.scaler)
 
+    def transform_grads(self, model: nn.Module, scaler: Any = None) -> None:
+        """Apply the policy to ``model``'s current ``.grad`` now (step scope's program).
+
+        For frameworks that own the optimizer step (:mod:`fxgrad.integrations.lightning`):
+        unlike :meth:`step`, the model is not remembered for later ``optimizer.step()``
+        calls. ``scaler``: the ``GradScaler`` whose scale the gradients still carry, if any.
+        """
+        if self.transform is not None:
+            self._apply_to_grads([(model, "")], scaler)
+
     def _step_models(self) -> list[tuple[nn.Module, str]]:
         models = [(ref(), "") for ref in self._models if ref() is not None]
         return models + [

@@ -1,0 +1,157 @@
+"""fxgrad's gradient policies in the Hugging Face ``Trainer``: :func:`prepare` and :class:`FxgradTrainerCallback`.
+
+::
+
+    import fxgrad
+    from transformers import Trainer, TrainingArguments
+    from fxgrad.integrations.transformers import prepare
+
+    args = TrainingArguments(output_dir="out", logging_steps=10)
+    policy = fxgrad.chain(fxgrad.monitor(), fxgrad.clip_by_global_norm(1.0))
+    model, callback = prepare(model, policy, args)  # compiles; sets max_grad_norm=0, remove_unused_columns=False
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+
+``prepare`` compiles the model with fxgrad's backend before the Trainer sees it: the Trainer's own
+``torch_compile_backend="fxgrad"`` is refused by accelerate (``ValueError: 'FXGRAD' is not a valid
+DynamoBackend``, accelerate 1.15). The policy runs inside the backward graph, or in step scope (at
+``optimizer.step()``, on the accumulated, unscaled gradient) when ``gradient_accumulation_steps > 1`` or
+``fp16`` ask for it. The callback adds the statistics to the Trainer's log entries at ``logging_steps``.
+
+Reference: docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+from transformers import TrainerCallback, TrainingArguments
+
+from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry
+from fxgrad.core.rule import Transform
+from fxgrad.frontend.backend import Backend
+from fxgrad.integrations import check_prefix, check_stats, selected_stats
+
+__all__ = ["FxgradTrainerCallback", "prepare"]
+
+
+class FxgradTrainerCallback(TrainerCallback):
+    """Checks the ``TrainingArguments`` against ``backend`` and logs its statistics with the Trainer's.
+
+    * ``stats``: fnmatch patterns choosing which of ``backend.stats()`` to log (default all; ``()`` none).
+    * ``prefix``: prepended to each logged name (``"fxgrad/grad_norm/total"``).
+
+    When the Trainer logs the training loss (every ``logging_steps``), the statistics are copied to the host
+    (one copy, the only sync) and added to that log entry: ``trainer.state.log_history`` and the callbacks
+    after this one see them. Reporting integrations (``report_to``) run before user callbacks; to send the
+    statistics to them, put this callback first:
+    ``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(FxgradTrainerCallback))``.
+
+    When the Trainer is built it raises ``ValueError`` naming a setting that conflicts with the policy (see
+    :func:`prepare`). Usually made by :func:`prepare`::
+
+        model, callback = prepare(model, fxgrad.clip_by_global_norm(1.0), args)
+    """
+
+    def __init__(self, backend: Backend, *, stats: Iterable[str] = ("*",), prefix: str = "fxgrad/") -> None:
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
+        self.backend = backend
+        self.stats = check_stats(stats)
+        self.prefix = check_prefix(prefix)
+
+    def check(self, args: TrainingArguments) -> None:
+        """Raise ``ValueError`` naming the first setting of ``args`` that conflicts with the backend."""
+        conflicts = {
+            "max_grad_norm": (
+                args.max_grad_norm > 0,
+                "clips the gradients again after fxgrad's policy: set max_grad_norm=0 (for the same clipping, "
+                f"put fxgrad.clip_by_global_norm({args.max_grad_norm}) in the policy)",
+            ),
+            "torch_compile": (
+                args.torch_compile,
+                "compiles the model a second time, with a backend other than fxgrad's: leave torch_compile, "
+                "torch_compile_backend and torch_compile_mode unset (prepare() compiled the model)",
+            ),
+            "remove_unused_columns": (
+                args.remove_unused_columns,
+                "drops every input: the compiled model's forward takes (*args, **kwargs); set it to False and "
+                "give the Trainer only the model's inputs",
+            ),
+        }
+        if self.backend.current_scope() == "graph":
+            conflicts["gradient_accumulation_steps"] = (
+                args.gradient_accumulation_steps > 1,
+                "sums several backwards, and scope='graph' transforms each one: use scope='step' (prepare(..., "
+                "args) picks it)",
+            )
+            conflicts["fp16"] = (
+                args.fp16,
+                "scales the loss with accelerate's GradScaler, which scope='graph' cannot read: use scope='step' "
+                "(prepare(..., args) picks it)",
+            )
+        for name, (conflict, why) in conflicts.items():
+            if conflict:
+                raise ValueError(f"TrainingArguments({name}={getattr(args, name)!r}) {why}")
+
+    def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        self.check(args)
+
+    def on_log(self, args: TrainingArguments, state: Any, control: Any, logs: dict | None = None, **kwargs) -> None:
+        if logs is None or "loss" not in logs:  # evaluation and end-of-training entries
+            return
+        stats = selected_stats(self.backend, self.stats, self.prefix)
+        if not stats:
+            return
+        values = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # the sync, at logging steps only
+        logs.update(values)
+        if state.log_history:  # Trainer.log appended its copy of logs just before calling on_log
+            state.log_history[-1].update(values)
+
+
+def prepare(
+    model: nn.Module,
+    policy: Transform,
+    args: TrainingArguments | None = None,
+    *,
+    scope: str = "auto",
+    skip: Iterable[SkipEntry] = DEFAULT_SKIP,
+    compiler: str = "inductor",
+    strict: bool = True,
+    stats: Iterable[str] = ("*",),
+    prefix: str = "fxgrad/",
+    **compile_kwargs: Any,
+) -> tuple[nn.Module, FxgradTrainerCallback]:
+    """``model`` compiled with ``fxgrad.backend(policy)``, and the callback to give the Trainer.
+
+    With ``args``, it sets what the compiled model needs: ``max_grad_norm=0`` when it has its default
+    (1.0; the policy replaces the Trainer's clipping) and ``remove_unused_columns=False``; and with
+    ``scope="auto"`` it picks ``scope="step"`` when ``gradient_accumulation_steps > 1`` or ``fp16`` (then the
+    policy runs once per optimizer step on the accumulated, unscaled gradient), else the in-graph scope.
+    A setting it cannot reconcile (another ``max_grad_norm``, ``torch_compile=True``, ``scope="graph"``
+    with accumulation or ``fp16``) raises ``ValueError`` naming it, here or when the Trainer is built.
+
+    ``scope``, ``skip``, ``compiler`` and ``strict`` are :func:`fxgrad.backend`'s; ``stats`` and ``prefix``
+    the callback's; ``compile_kwargs`` (``dynamic=``, ``mode=``, ...) go to :meth:`fxgrad.Backend.compile`.
+    """
+    if not isinstance(policy, Transform):
+        raise TypeError(f"policy must be an fxgrad transform such as fxgrad.clip_by_global_norm(1.0), got {policy!r}")
+    if args is not None:
+        if not isinstance(args, TrainingArguments):
+            raise TypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
+        if scope == "auto" and (args.gradient_accumulation_steps > 1 or args.fp16):
+            scope = "step"
+        if args.max_grad_norm == _default(args, "max_grad_norm"):
+            args.max_grad_norm = 0.0
+        args.remove_unused_columns = False
+    backend = Backend(policy, skip=skip, compiler=compiler, strict=strict, scope=scope)
+    callback = FxgradTrainerCallback(backend, stats=stats, prefix=prefix)
+    if args is not None:
+        callback.check(args)
+    return backend.compile(model, **compile_kwargs), callback
+
+
+def _default(args: TrainingArguments, name: str) -> Any:
+    return next(field.default for field in dataclasses.fields(args) if field.name == name)

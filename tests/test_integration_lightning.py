@@ -1,0 +1,135 @@
+"""FxgradCallback in a real Lightning Trainer: parity with Lightning's own clipping, logging, conflicts."""
+
+import csv
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxgrad
+from fxgrad.integrations.lightning import FxgradCallback, pl
+
+STEPS = 20
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__()
+        self.fused = fused
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self.net(x) - y).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, fused=self.fused)
+
+
+def _data(batches: int) -> torch.utils.data.DataLoader:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batches * 4, 8, generator=gen)
+    data = torch.utils.data.TensorDataset(x, 3 * x[:, :1] + torch.randn(batches * 4, 1, generator=gen))
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _fit(*, accumulate: int = 1, logger=False, log_every: int = 50, fused: bool = False, **trainer_kwargs) -> Regressor:
+    module = Regressor(fused)
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        accumulate_grad_batches=accumulate,
+        logger=logger,
+        log_every_n_steps=log_every,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(num_workers|bottleneck|does not have many workers).*")
+        trainer.fit(module, _data(STEPS * accumulate))
+    return module
+
+
+@pytest.mark.parametrize(
+    "accumulate, precision", [(1, "32-true"), (2, "32-true"), (2, "bf16-mixed")], ids=["plain", "accumulate2", "bf16"]
+)
+def test_global_clip_matches_gradient_clip_val(accumulate, precision):
+    max_norm = 0.2
+    reference = _fit(
+        accumulate=accumulate, precision=precision, gradient_clip_val=max_norm, gradient_clip_algorithm="norm"
+    )
+    callback = FxgradCallback(fxgrad.clip_by_global_norm(max_norm), compiler="aot_eager")
+    ours = _fit(accumulate=accumulate, precision=precision, callbacks=[callback])
+    for name, weight in reference.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], weight, rtol=1e-6, atol=1e-8, msg=name)
+    assert callback.backend.stats()["grad_norm/total"] > max_norm  # the clip was active
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unscaled_by_lightning", "fused_optimizer"])
+def test_global_clip_under_a_grad_scaler(fused):
+    """Lightning unscales before on_before_optimizer_step, except for a fused optimizer (it unscales in its step):
+    then fxgrad reads the scale and clips in unscaled units. Lightning refuses to clip with a fused optimizer,
+    so the reference clips for the unfused one."""
+
+    def scaled():
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        return pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=scaler)
+
+    reference = _fit(plugins=[scaled()], gradient_clip_val=0.2, gradient_clip_algorithm="norm")
+    callback = FxgradCallback(fxgrad.clip_by_global_norm(0.2), compiler="aot_eager")
+    ours = _fit(plugins=[scaled()], fused=fused, callbacks=[callback])
+    for name, weight in reference.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], weight, rtol=1e-6, atol=1e-8, msg=name)
+
+
+def test_per_layer_policy_logs_its_stats_to_csv(tmp_path):
+    policy = fxgrad.chain(fxgrad.monitor(), fxgrad.clip_by_norm(0.1))
+    callback = FxgradCallback(policy, compiler="aot_eager", stats=["grad_norm/*"])
+    logger = pl.loggers.CSVLogger(tmp_path, name="run")
+    _fit(logger=logger, log_every=5, callbacks=[callback])
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    layers = ["net.0", "net.1", "net.3"]  # monitor sees the LayerNorm net.1 too (clip_by_norm skips it)
+    expected = {f"fxgrad/grad_norm/{layer}" for layer in layers} | {
+        "fxgrad/grad_norm/total",
+        "fxgrad/grad_norm/total_clipped",
+    }
+    assert expected == {column for column in rows[0] if column.startswith("fxgrad/")}
+    assert [int(row["step"]) for row in rows] == [4, 9, 14, 19]  # log_every_n_steps=5
+    last = {k: v.item() for k, v in callback.backend.stats().items()}
+    for column in expected:
+        assert float(rows[-1][column]) == pytest.approx(last[column.removeprefix("fxgrad/")], rel=1e-6)
+    assert float(rows[-1]["fxgrad/grad_norm/total_clipped"]) < float(rows[-1]["fxgrad/grad_norm/total"])
+
+
+def test_lightning_clipping_is_refused():
+    callback = FxgradCallback(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
+    with pytest.raises(ValueError, match=r"Trainer\(gradient_clip_val=0.5\) would clip the gradients again"):
+        _fit(gradient_clip_val=0.5, callbacks=[callback])
+
+
+def test_configure_gradient_clipping_override_is_refused():
+    class Clipping(Regressor):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            self.clip_gradients(optimizer, 1.0, "norm")
+
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False)
+    callback = FxgradCallback(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
+    trainer.callbacks.append(callback)
+    with pytest.raises(ValueError, match="Clipping.configure_gradient_clipping overrides"):
+        callback.setup(trainer, Clipping(), "fit")
+
+
+def test_bad_arguments_raise_at_construction():
+    with pytest.raises(TypeError, match="policy must be an fxgrad transform"):
+        FxgradCallback("clip_by_global_norm")
+    with pytest.raises(TypeError, match="stats must be a list of name patterns"):
+        FxgradCallback(fxgrad.monitor(), stats="grad_norm/total")
+    with pytest.raises(ValueError, match="compiler must be one of"):
+        FxgradCallback(fxgrad.monitor(), compiler="eager")
+    with pytest.raises(TypeError, match="gradient_clip_val"):
+        FxgradCallback(fxgrad.monitor(), gradient_clip_val=1.0)

@@ -1,0 +1,83 @@
+"""fxgrad.integrations.transformers in a real Hugging Face Trainer: parity with max_grad_norm, logging, conflicts."""
+
+import copy
+
+import models
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+import fxgrad
+from fxgrad.integrations.transformers import FxgradTrainerCallback, prepare
+
+STEPS = 10
+
+
+def _gpt2():
+    model = models.gpt2()[0]
+    model.loss_type = "ForCausalLM"  # else transformers warns inside forward: a graph break before the loss
+    return model
+
+
+def _data() -> list[dict]:
+    ids = torch.randint(0, 64, (STEPS * 8, 12), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def _args(tmp_path, **kwargs) -> TrainingArguments:
+    defaults = dict(
+        output_dir=str(tmp_path),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        optim="sgd",  # AdamW would amplify the float noise in the key bias's gradient, zero in exact arithmetic
+        learning_rate=0.1,
+        logging_steps=5,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    return TrainingArguments(**{**defaults, **kwargs})
+
+
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["graph_scope", "accumulate2_step_scope"])
+def test_global_clip_matches_max_grad_norm(tmp_path, accumulate):
+    max_norm = 0.5
+    eager = _gpt2()
+    reference = copy.deepcopy(eager)
+    args = _args(tmp_path, max_grad_norm=max_norm, remove_unused_columns=False, gradient_accumulation_steps=accumulate)
+    compiled = torch.compile(reference, backend="aot_eager")
+    Trainer(model=compiled, args=args, train_dataset=_data()).train()
+
+    args = _args(tmp_path, gradient_accumulation_steps=accumulate)
+    model, callback = prepare(eager, fxgrad.clip_by_global_norm(max_norm), args, compiler="aot_eager")
+    assert (args.max_grad_norm, args.remove_unused_columns) == (0.0, False)
+    assert callback.backend.current_scope() == ("graph" if accumulate == 1 else "step")
+    trainer = Trainer(model=model, args=args, train_dataset=_data(), callbacks=[callback])
+    trainer.train()
+
+    for name, weight in reference.state_dict().items():
+        torch.testing.assert_close(eager.state_dict()[name], weight, rtol=1e-6, atol=1e-8, msg=name)
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in logged] == [5, 10]  # logging_steps=5
+    for entry in logged:
+        assert entry["fxgrad/grad_norm/total"] > max_norm  # the clip was active
+        assert entry["fxgrad/grad_norm/total_clipped"] == pytest.approx(max_norm, rel=1e-5)
+
+
+def test_conflicting_arguments_raise(tmp_path):
+    policy = fxgrad.clip_by_global_norm(1.0)
+    with pytest.raises(ValueError, match=r"TrainingArguments\(max_grad_norm=0.5\) clips the gradients again"):
+        prepare(_gpt2(), policy, _args(tmp_path, max_grad_norm=0.5), compiler="aot_eager")
+    with pytest.raises(ValueError, match=r"TrainingArguments\(gradient_accumulation_steps=2\)"):
+        prepare(_gpt2(), policy, _args(tmp_path, gradient_accumulation_steps=2), scope="graph", compiler="aot_eager")
+    with pytest.raises(TypeError, match="policy must be an fxgrad transform"):
+        prepare(_gpt2(), "clip_by_global_norm")
+    # without args, the callback checks the Trainer's when the Trainer is built
+    model, callback = prepare(_gpt2(), policy, compiler="aot_eager")
+    args = _args(tmp_path, remove_unused_columns=False)  # max_grad_norm keeps its default, 1.0
+    with pytest.raises(ValueError, match=r"TrainingArguments\(max_grad_norm=1.0\)"):
+        Trainer(model=model, args=args, train_dataset=_data(), callbacks=[callback])
+    with pytest.raises(TypeError, match="backend must be an fxgrad.backend"):
+        FxgradTrainerCallback(policy)
