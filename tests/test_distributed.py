@@ -28,14 +28,24 @@ def test_ddp_exact_equals_one_process_on_the_whole_batch(policy):
     launch(checks.ddp_exact, policy)
 
 
-def test_ddp_local_rescales_before_the_all_reduce():
-    launch(checks.ddp_local)
+WRAPPERS = ["backend.compile", "torch.compile"]
 
 
-def test_default_scope_is_exact_under_ddp():
-    launch(checks.auto_scope_is_exact)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_ddp_local_rescales_before_the_all_reduce(wrapper):
+    launch(checks.ddp_local, wrapper)
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_default_scope_is_exact_under_ddp(wrapper):
+    launch(checks.auto_scope_is_exact, wrapper)
 
 
 @pytest.mark.parametrize("policy", list(checks.POLICIES))
 def test_fsdp2_norms_span_the_shards(policy):
     launch(checks.fsdp2, policy)
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_fsdp2_compiled_model_needs_no_backend_step(wrapper):
+    launch(checks.fsdp2, "global_clip", wrapper)
