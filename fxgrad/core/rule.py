@@ -90,12 +90,17 @@ class Leaf(Transform):
       so a backend with a scaler refuses it.
     * ``backs_off``: its threshold reads ``ctx.threshold(...)``, which
       ``skip_nonfinite(backoff=...)`` earlier in the policy lowers.
+    * ``folds``: how :meth:`fxgrad.Backend.fold` can leave its factor to the
+      optimizer's update: ``"global"`` (one factor for every gradient: a fused
+      optimizer's ``grad_scale`` takes it), ``"identity"`` (it changes no
+      gradient), ``None`` (not yet: the gradients are scaled in a pass).
     """
 
     reach: ClassVar[Reach] = "layer"
     per_layer: ClassVar[bool] = True
     hides_nonfinite: ClassVar[bool] = False
     backs_off: ClassVar[bool] = False
+    folds: ClassVar[Literal["global", "identity"] | None] = None
     name: ClassVar[str] = "leaf"
 
     def check_followers(self, later: Sequence[Leaf]) -> None:

@@ -31,6 +31,7 @@ import torch.nn as nn
 from fxgrad import _compat, passes
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry, validate_skip
 from fxgrad.core.rule import Transform
+from fxgrad.frontend import fold as folding
 from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_misses
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import plan_graph
@@ -107,8 +108,9 @@ class Backend:
             )
         self._step = None  # runs the policy on .grad in step scope
         self._programs = StepPrograms(compiler)  # ... as compiled programs, by gradient layout
+        self._folded: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # see fold()
         if transform is not None:
-            self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler)
+            self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._hand_factor)
             if scope == "step":
                 self._step.arm()
 
@@ -321,6 +323,59 @@ class Backend:
         self._step.arm()
         self._step.apply(models, self.scaler)
 
+    def fold(self, optimizer: torch.optim.Optimizer) -> None:
+        """Let ``optimizer``'s own update apply the policy's final factor (no pass over the gradients).
+
+        For a policy of one global factor (``clip_by_global_norm``, ``autoclip``,
+        ``zclip``, with ``monitor``) in step scope and a fused ``Adam``, ``AdamW`` or
+        ``SGD``, the factor divides ``optimizer.grad_scale`` (with a GradScaler's scale
+        when there is one): the norms are read once and nothing is written. The
+        weights after each step equal the unfolded path's. Until the step, ``.grad``
+        holds the gradient before the factor: ``stats()["folded_factor"]`` is the
+        factor and :meth:`scaled_grads` the gradients with it. Other combinations
+        keep the scaling pass, after one ``RuntimeWarning`` saying why; an optimizer
+        other than those three raises. See :mod:`fxgrad.frontend.fold`.
+
+            >>> import torch, fxgrad
+            >>> model = torch.nn.Linear(4, 4)
+            >>> backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), scope="step")
+            >>> backend.fold(torch.optim.AdamW(model.parameters(), fused=True))
+        """
+        folding.check(optimizer)
+        why = folding.fallback(optimizer, self.transform, self.current_scope())
+        if why is not None:
+            warnings.warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning, stacklevel=2)
+            return
+        if optimizer not in self._folded:
+            self._folded.add(optimizer)
+            optimizer.register_step_post_hook(folding.after_step)
+        self._step.arm()
+
+    def folded_into(self) -> list[torch.optim.Optimizer]:
+        """The optimizers :meth:`fold` folds into (while they live)."""
+        return list(self._folded)
+
+    def scaled_grads(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """``model``'s gradients as the optimizer will apply them: ``.grad`` times the folded
+        factor while :meth:`fold` is on, ``.grad`` itself otherwise (no sync)."""
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        if not self._folded:
+            return grads
+        factor = self.store.stat("folded_factor")
+        return {name: (g * factor).to(g.dtype) for name, g in grads.items()}
+
+    def _hand_factor(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Before a folded optimizer's step: give it the factor the policy left."""
+        if optimizer not in self._folded:
+            return
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args: (optimizer, *step's args)
+        if closure is not None:
+            raise ValueError(
+                "fold: optimizer.step(closure) computes the gradients after fxgrad's policy ran on the old "
+                "ones; step without a closure, or do not fold this optimizer"
+            )
+        folding.give(optimizer, self.store.stat("folded_factor"))
+
     def transform_grads(self, model: nn.Module, scaler: Any = None) -> None:
         """Apply the policy to ``model``'s current ``.grad`` now (step scope's program).
 
@@ -339,7 +394,15 @@ class Backend:
 
     def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list | None = None) -> None:
         apply_to_grads(
-            self.transform, models, self.skip, self.store, scaler, self.registry.forward_order(), self._programs, params
+            self.transform,
+            models,
+            self.skip,
+            self.store,
+            scaler,
+            self.registry.forward_order(),
+            self._programs,
+            params,
+            fold=bool(self._folded),
         )
 
     # ------------------------------------------------------------ state

@@ -79,7 +79,14 @@ class Report:
         rows = [("layer", "type", "params", "action")]
         rows += [(r.name, r.type_name, str(r.numel), r.action) for r in self.layers]
         widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        lines = [f"policy: {self.backend.transform!r}"] + [
+        lines = [f"policy: {self.backend.transform!r}"]
+        folded = sorted({type(optimizer).__name__ for optimizer in self.backend.folded_into()})
+        if folded:
+            lines.append(
+                f"folded into {', '.join(folded)}: its update applies the global factor (stats: folded_factor); "
+                ".grad holds the gradient before it until the step (backend.scaled_grads gives it after)"
+            )
+        lines += [
             f"{name:<{widths[0]}}  {kind:<{widths[1]}}  {numel:>{widths[2]}}  {action}"
             for name, kind, numel, action in rows
         ]

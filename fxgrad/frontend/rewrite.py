@@ -60,6 +60,7 @@ def record_policy(
     scaler: Any = None,
     params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
     frame: int = 0,
+    fold: bool = False,
 ) -> dict[str, list[torch.fx.Node]]:
     """Record ``routes`` over the gradient nodes ``grads`` (layer -> its gradients' nodes)
     before ``gm``'s output; the nodes holding each layer's new gradients, in the same order."""
@@ -76,5 +77,6 @@ def record_policy(
             params,
             frame,
             set_label=lambda label: setattr(recorder, "label", label),
+            fold=fold,
         )
     return {name: [recorder.node(tensor) for tensor in new] for name, new in tensors.items()}

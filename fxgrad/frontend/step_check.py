@@ -84,15 +84,15 @@ def handed_back(model: nn.Module) -> Iterator[None]:
             _NEWEST[model] = before
 
 
-def optimizer_pre_hook(owner: Any, method: Callable[[Any, torch.optim.Optimizer], None]) -> None:
-    """Call ``method(owner, optimizer)`` before every ``optimizer.step()`` while
-    ``owner`` lives; the global hook holds ``owner`` weakly and goes with it."""
+def optimizer_pre_hook(owner: Any, method: Callable[[Any, torch.optim.Optimizer, tuple, dict], None]) -> None:
+    """Call ``method(owner, optimizer, args, kwargs)`` before every ``optimizer.step(*args, **kwargs)``
+    while ``owner`` lives; the global hook holds ``owner`` weakly and goes with it."""
     ref = weakref.ref(owner)
 
-    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         live = ref()
         if live is not None:
-            method(live, optimizer)
+            method(live, optimizer, args, kwargs)
 
     handle = register_optimizer_step_pre_hook(before_step)
     weakref.finalize(owner, handle.remove)
@@ -138,7 +138,7 @@ class StepCheck:
             self._armed = True
             optimizer_pre_hook(self, StepCheck.before_optimizer_step)
 
-    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self.in_graph():
             return
         stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

@@ -63,19 +63,28 @@ class StepPrograms:
             self._routes = key, compute()  # holds the parameters, so their ids stay theirs
         return self._routes[1]
 
-    def run(self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore, scaler: Any) -> bool:
+    def run(
+        self,
+        routes: Sequence[tuple[int, Route]],
+        owners: Sequence[Owner],
+        store: StateStore,
+        scaler: Any,
+        fold: bool = False,
+    ) -> bool:
         """Apply ``routes`` to the ``.grad`` of the parameters of ``owners`` in place, grouped by
-        layer as the routes expect; ``False`` if it cannot (the caller then runs the rules eagerly)."""
+        layer as the routes expect (``fold``: all but the global factor, see
+        :func:`~fxgrad.runtime.executor.run_policy`); ``False`` if it cannot (the caller then
+        runs the rules eagerly)."""
         grads = [o.tensor.grad for o in owners]
         if self._broken is not None or any(type(g) is not torch.Tensor for g in grads):  # DTensor: eager
             return False
-        key = _layout(routes, owners, scaler is not None)
+        key = _layout(routes, owners, scaler is not None), fold
         self._weights = {o.param: o.tensor for o in owners}  # what weight-reading rules read, this step
         try:
             program = self._programs.get(key)
             if program is None:
                 try:
-                    program = self._build(routes, owners, store, scaler)
+                    program = self._build(routes, owners, store, scaler, fold)
                 except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
                     self._broken = f"{type(error).__name__}: {error}"
                     warnings.warn(
@@ -93,11 +102,11 @@ class StepPrograms:
         return True
 
     def _build(
-        self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore, scaler: Any
+        self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore, scaler: Any, fold: bool
     ) -> Callable[..., Any]:
         gm, inputs = _gradient_graph(owners)
         lookup = lambda names: [self._weights[name] for name in names]  # noqa: E731
-        new = record_policy(gm, routes, inputs, store, scaler, lookup)
+        new = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold)
         output = gm.graph.output_node()
         with gm.graph.inserting_before(output):
             for layer, nodes in inputs.items():

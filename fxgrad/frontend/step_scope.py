@@ -71,6 +71,7 @@ def apply_to_grads(
     order: Sequence[str] = (),
     programs: StepPrograms | None = None,
     params: Sequence[nn.Parameter] | None = None,
+    fold: bool = False,
 ) -> None:
     """Apply ``transform`` to the ``.grad`` of ``models``' parameters, in place.
 
@@ -78,13 +79,14 @@ def apply_to_grads(
     forward order of layers (for depth), named-module order when empty. With
     ``programs`` the rules run as a compiled program where they can, else eagerly;
     ``params``, the models' parameters if the caller has them, saves walking the models again.
+    ``fold`` leaves the policy's global factor to the optimizer (:meth:`fxgrad.Backend.fold`).
     """
     if programs is None:
         with_grad, routes = step_routes(transform, models, skip, order)
     else:
         compute = lambda: step_routes(transform, models, skip, order)  # noqa: E731
         with_grad, routes = programs.routes(models, order, compute, params)
-    if not with_grad or (programs is not None and programs.run(routes, with_grad, store, scaler)):
+    if not with_grad or (programs is not None and programs.run(routes, with_grad, store, scaler, fold)):
         return
     params: dict[str, list[nn.Parameter]] = {}
     for owner in with_grad:
@@ -93,7 +95,7 @@ def apply_to_grads(
     by_name = {o.param: o.tensor for o in with_grad}
     with torch.no_grad():
         device = with_grad[0].tensor.grad.device
-        run_policy(routes, grads, store, device, scaler, lambda names: [by_name[n] for n in names])
+        run_policy(routes, grads, store, device, scaler, lambda names: [by_name[n] for n in names], fold=fold)
         for layer, ps in params.items():
             for param, grad in zip(ps, grads[layer]):
                 if grad is not param.grad:
@@ -110,11 +112,18 @@ class StepScope:
     applies the policy (``params``: the models' parameters, walked once per step).
     After :meth:`arm`, a global ``optimizer.step()`` pre-hook runs it for
     optimizers that step these models' parameters, unless :meth:`apply`
-    already ran on the current gradients.
+    already ran on the current gradients, then calls ``after(optimizer, args,
+    kwargs)`` (the optimizer fold hands its factor over there).
     """
 
-    def __init__(self, models: Models, run: Callable[[list, Any, list], None], scaler: Any) -> None:
-        self.models, self.run, self.scaler = models, run, scaler
+    def __init__(
+        self,
+        models: Models,
+        run: Callable[[list, Any, list], None],
+        scaler: Any,
+        after: Callable[[torch.optim.Optimizer, tuple, dict], None],
+    ) -> None:
+        self.models, self.run, self.scaler, self.after = models, run, scaler, after
         self._seen: dict[int, tuple[weakref.ref, int]] = {}
         self._armed = False
 
@@ -135,7 +144,7 @@ class StepScope:
             {id(p): (weakref.ref(p.grad), _compat.tensor_version(p.grad)) for p in params if p.grad is not None}
         )
 
-    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         models = self.models()
         params = list(_parameters(models))
         ours = {id(p) for p in params}
@@ -144,6 +153,7 @@ class StepScope:
             return
         unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
         self.apply(models, None if unscaled else self.scaler, params)
+        self.after(optimizer, args, kwargs)
 
     def _changed(self, params: Iterable[nn.Parameter]) -> bool:
         for p in params:

@@ -60,6 +60,7 @@ class AutoClip(ScaleLeaf):
     name = "autoclip"
     reach = "group"
     per_layer = False
+    folds = "global"
 
     percentile: float = 90.0
     history: int = 100
@@ -132,6 +133,7 @@ class ZClip(ScaleLeaf):
     name = "zclip"
     reach = "group"
     per_layer = False
+    folds = "global"
     EPS: ClassVar[float] = 1e-6
 
     alpha: float = 0.97

@@ -61,6 +61,7 @@ class ClipByGlobalNorm(_NormClip):
     name = "clip_by_global_norm"
     reach = "group"
     per_layer = False
+    folds = "global"
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         total = norm_math.group_norm(stats, self.norm_type)

@@ -49,6 +49,7 @@ class Monitor(ScaleLeaf):
 
     name = "monitor"
     per_layer = False  # watches every layer, norm layers included
+    folds = "identity"
 
     ema: float = 0.9
     spike_z: float = 3.0

@@ -44,10 +44,12 @@ class GraphContext:
         scaler: Any = None,
         params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
         frame: int = 0,
+        fold: bool = False,
     ) -> None:
         self.store, self.device = store, device
         self.params = params
         self.frame = frame
+        self.fold = fold  # leave the global factor to the optimizer: see Executor
         self._stats: dict[str, tuple[str, str] | None] = {}  # key -> (statistic, layer) if per layer
         self._stat_order: list[tuple[list[str], torch.Tensor]] = []
         self.scale: torch.Tensor | None = None

@@ -14,6 +14,11 @@ matches applying the three one after the other up to float rounding.
 With a GradScaler the gradients in the graph are scaled; norms are divided by
 the scale first, so every transform sees unscaled values, and the factors
 multiply the scaled gradients (``unscale_`` later divides them).
+
+With ``fold=True`` (:meth:`fxgrad.Backend.fold`; only for policies whose every
+factor is one global factor) the gradients are not multiplied: the product of
+the factors is the statistic ``folded_factor``, which the optimizer applies in
+its own update.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def run_policy(
     params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
     frame: int = 0,
     set_label: Callable[[str], None] = lambda label: None,
+    fold: bool = False,
 ) -> None:
     """Apply ``routes`` to ``grads`` (layer name -> its gradients, replaced in place).
 
@@ -46,12 +52,17 @@ def run_policy(
     ``params(names)`` returns the parameters with those qualified names (for
     rules that read weights); ``frame`` numbers the compiled frame (see
     :class:`~fxgrad.runtime.context.GraphContext`); ``set_label`` names the
-    ops that follow (graph scope tags the recorded nodes with it).
+    ops that follow (graph scope tags the recorded nodes with it); ``fold``
+    leaves the global factor to the optimizer (see the module docstring).
     """
     set_label("loss scale")
-    graph = GraphContext(store, device, scaler, params, frame)
-    Executor(grads, graph, set_label).run(routes)
+    graph = GraphContext(store, device, scaler, params, frame, fold)
+    executor = Executor(grads, graph, set_label)
+    executor.run(routes)
     set_label("statistics")
+    if fold:
+        folded = executor.folded
+        graph.emit(["folded_factor"], folded if isinstance(folded, torch.Tensor) else torch.ones((), device=device), -1)
     graph.finish()
 
 
@@ -64,6 +75,7 @@ class Executor:
         # layer -> (its norm statistics when read, factor applied since), while still valid
         self._norms: dict[str, tuple[norm_math.NormStats, norm_math.Factor]] = {}
         self._at_end: list[Callable[[], None]] = []
+        self.folded: norm_math.Factor = 1.0  # with graph.fold: the global factor left to the optimizer
 
     def run(self, routes: Sequence[tuple[int, Route]]) -> None:
         start = 0
@@ -125,9 +137,14 @@ class Executor:
                 factors[name] = factor if name not in factors else factors[name] * factor
                 if last_use[name] > i:
                     current[name] = current[name].scaled(factor)
-        self.set_label("scale gradients")
-        for name, factor in factors.items():
-            self.grads[name] = norm_math.scaled(self.grads[name], factor)
+        if self.graph.fold and factors:  # one global factor: every layer has the same
+            factor = next(iter(factors.values()))
+            self.folded = factor if _is_one(self.folded) else self.folded * factor
+        else:
+            self.set_label("scale gradients")
+            for name, factor in factors.items():
+                self.grads[name] = norm_math.scaled(self.grads[name], factor)
+        for name, factor in factors.items():  # what the gradients are now, or will be in the update
             stats, before = self._norms[name]
             self._norms[name] = (stats, factor if _is_one(before) else before * factor)
 

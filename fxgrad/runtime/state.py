@@ -238,6 +238,13 @@ class StateStore:
         table = self._stats if stats else self._state
         return {key: slots.view(key) for slots in table.values() for key in slots.layout}
 
+    def stat(self, key: str) -> torch.Tensor:
+        """A live view of the statistic ``key`` (``KeyError`` until a step wrote it)."""
+        for slots in self._stats.values():
+            if key in slots.layout:
+                return slots.view(key)
+        raise KeyError(key)
+
     def latest_stats(self) -> dict[str, torch.Tensor]:
         """Copies of the statistics the latest step wrote (one copy per device, no sync)."""
         copies = {device: slots.buffer.clone() for device, slots in self._stats.items()}

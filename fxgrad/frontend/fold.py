@@ -1,0 +1,87 @@
+"""The optimizer fold: the policy's final factor applied by the optimizer's own update.
+
+A global factor (``clip_by_global_norm``, ``autoclip``, ``zclip``) multiplies
+every gradient by one number: one more read and write of every gradient, after
+the last one exists. torch's fused optimizers (``Adam``, ``AdamW`` and ``SGD``
+with ``fused=True``) already divide each gradient by ``optimizer.grad_scale``
+inside their update (``GradScaler`` sets it to the loss scale), so the factor
+can ride there for free: ``grad_scale = loss_scale / factor``. Step scope then
+reads the norms once and writes nothing; the update applies the factor.
+
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), scope="step")
+    model = torch.compile(model, backend=backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    backend.fold(optimizer)
+
+While folded, ``.grad`` holds the gradient *before* the factor between
+``backward()`` and ``optimizer.step()`` (the fused update writes the
+multiplied gradient back to ``.grad``); ``backend.stats()["folded_factor"]``
+is the factor and :meth:`fxgrad.Backend.scaled_grads` the gradients with it,
+with no sync. Every other combination runs the policy as before, after one
+warning that says why (docs/performance.md, "The optimizer fold").
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from fxgrad.core.rule import Transform
+
+FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # their fused update reads grad_scale
+
+_SET_HERE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # grad_scale set by fxgrad, not a GradScaler
+
+
+def check(optimizer: Any) -> None:
+    """Refuse an optimizer no fold can ever apply to (``TypeError`` / ``ValueError``)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if type(optimizer) not in FUSED:
+        raise ValueError(
+            f"optimizer: fxgrad cannot fold into {type(optimizer).__name__}: only torch.optim.Adam, AdamW and SGD "
+            "(with fused=True) take the factor in their own update; step it without fold()"
+        )
+
+
+def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scope: str) -> str | None:
+    """Why this combination falls back to a scaling pass, or ``None`` when it folds."""
+    if scope != "step":
+        return "folding in graph scope is not built yet: the backward graph applies the factor"
+    if not all(group.get("fused") for group in optimizer.param_groups):
+        return (
+            f"{type(optimizer).__name__} without fused=True has no grad_scale input: "
+            "the step program applies the factor (pass fused=True to fold it)"
+        )
+    leaves = transform.leaves() if transform is not None else []
+    per_layer = [leaf for leaf in leaves if leaf.folds is None]
+    if per_layer or not any(leaf.folds == "global" for leaf in leaves):
+        shown = ", ".join(repr(leaf) for leaf in per_layer) or "no global factor"
+        return (
+            f"only a single global factor folds into grad_scale, and the policy has {shown}: "
+            "the step program applies the factors"
+        )
+    return None
+
+
+def give(optimizer: torch.optim.Optimizer, factor: torch.Tensor) -> None:
+    """Make the fused update multiply the gradients by ``factor`` (a device tensor; no sync).
+
+    A ``GradScaler`` has set ``grad_scale`` to its scale by now (it calls
+    ``optimizer.step()``, whose pre-hook calls this); the factor divides it."""
+    inverse = (1.0 / factor.to(torch.float64)).to(torch.float32)
+    scale = getattr(optimizer, "grad_scale", None)
+    if scale is None:
+        optimizer.grad_scale = inverse
+        _SET_HERE.add(optimizer)
+    else:
+        optimizer.grad_scale = scale * inverse
+
+
+def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Drop the ``grad_scale`` fxgrad set (a ``GradScaler`` drops its own)."""
+    if optimizer in _SET_HERE:
+        _SET_HERE.discard(optimizer)
+        del optimizer.grad_scale

@@ -1,0 +1,232 @@
+"""``backend.fold(optimizer)``: the global factor applied by a fused optimizer's own update."""
+
+import contextlib
+import copy
+import warnings
+
+import pytest
+import reference as ref
+import torch
+import torch.nn as nn
+from parity import no_host_sync
+
+import fxgrad
+
+STEPS = 20
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 2))
+
+
+OPTIMIZERS = {
+    "adam": lambda params, **kw: torch.optim.Adam(params, lr=1e-2, **kw),
+    "adamw": lambda params, **kw: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **kw),
+    "sgd_momentum": lambda params, **kw: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3, **kw),
+}
+
+
+def groups(model):
+    """Two parameter groups with their own learning rate and weight decay."""
+    return [
+        {"params": model[0].parameters(), "lr": 3e-2, "weight_decay": 0.0},
+        {"params": [p for layer in model[1:] for p in layer.parameters()]},
+    ]
+
+
+def assert_same_weights(actual, expected, rtol=1e-6):
+    for (name, a), b in zip(actual.named_parameters(), expected.parameters()):
+        scale = b.detach().abs().max().item()
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * scale, msg=name)
+
+
+def train(model, optimizer, steps, backend=None, reference=None, scaler=None, scheduler=None, nonfinite=()):
+    """``steps`` steps on fixed inputs; ``reference(model)`` edits the gradients when there is no backend.
+
+    Steps after the first run under the no-sync trap with a backend and a fused optimizer
+    (torch's foreach Adam reads its step counter on the host)."""
+    compiled = torch.compile(model, backend=backend) if backend is not None else model
+    trapped = backend is not None and all(group.get("fused") for group in optimizer.param_groups)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(steps):
+        x = torch.randn(16, 8, generator=gen)
+        weight = float("inf") if step in nonfinite else 30.0  # large gradients: the clip acts
+        optimizer.zero_grad()
+        with no_host_sync() if step and trapped else contextlib.nullcontext():
+            loss = compiled(x).pow(2).mean() * weight
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if reference is not None:
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
+                reference(model)
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_folded_global_clip_equals_clip_grad_norm_then_the_fused_step(name):
+    torch.manual_seed(0)
+    model, expected = mlp(), None
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")
+    optimizer = OPTIMIZERS[name](groups(model), fused=True)
+    backend.fold(optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    expected_optimizer = OPTIMIZERS[name](groups(expected), fused=True)
+    expected_scheduler = torch.optim.lr_scheduler.StepLR(expected_optimizer, step_size=5, gamma=0.5)
+    train(model, optimizer, STEPS, backend=backend, scheduler=scheduler)
+    train(
+        expected, expected_optimizer, STEPS, reference=lambda m: ref.clip_global(m, 0.05), scheduler=expected_scheduler
+    )
+    assert backend.stats()["folded_factor"].item() < 0.5  # the clip acted on every step
+    assert_same_weights(model, expected)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [fxgrad.chain(fxgrad.monitor(), fxgrad.zclip(max_norm=0.5, warmup=5)), fxgrad.autoclip(percentile=50)],
+    ids=["monitor+zclip", "autoclip"],
+)
+def test_folded_adaptive_clips_equal_the_unfolded_path(policy):
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    folded = fxgrad.backend(policy, compiler="aot_eager", scope="step")
+    unfolded = fxgrad.backend(policy, compiler="aot_eager", scope="step")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    folded.fold(optimizer)
+    train(model, optimizer, STEPS, backend=folded)
+    train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2, fused=True), STEPS, backend=unfolded)
+    assert_same_weights(model, expected)
+    stats, expected_stats = folded.stats(), unfolded.stats()
+    for key in expected_stats:
+        torch.testing.assert_close(stats[key], expected_stats[key], rtol=1e-5, atol=1e-9, msg=key)
+    assert "folded_factor" in stats and "folded_factor" not in expected_stats
+
+
+def test_folded_with_a_grad_scaler_and_a_skipped_overflow_step():
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    expected_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step", scaler=scaler)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    backend.fold(optimizer)
+    expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, fused=True)
+    train(model, optimizer, STEPS, backend=backend, scaler=scaler, nonfinite={4})
+    train(
+        expected,
+        expected_optimizer,
+        STEPS,
+        reference=lambda m: ref.clip_global(m, 0.05),
+        scaler=expected_scaler,
+        nonfinite={4},
+    )
+    assert scaler.get_scale() == expected_scaler.get_scale() < 2.0**10  # the overflow step lowered it
+    assert_same_weights(model, expected)
+    assert not hasattr(optimizer, "grad_scale")
+
+
+def test_optimizer_state_dict_round_trip_keeps_folding():
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    backend.fold(optimizer)
+    train(model, optimizer, 10, backend=backend)
+    resumed = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    backend.fold(resumed)
+    train(model, resumed, 10, backend=backend)
+    expected_optimizer = torch.optim.Adam(expected.parameters(), lr=1e-2, fused=True)
+    train(expected, expected_optimizer, 10, reference=lambda m: ref.clip_global(m, 0.05))
+    train(expected, expected_optimizer, 10, reference=lambda m: ref.clip_global(m, 0.05))
+    assert_same_weights(model, expected)
+
+
+def test_grad_holds_the_gradient_before_the_factor_until_the_step():
+    torch.manual_seed(0)
+    model = mlp()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    backend.fold(optimizer)
+    compiled = torch.compile(model, backend=backend)
+    (compiled(torch.randn(16, 8)).pow(2).mean() * 30).backward()
+    raw = {name: p.grad.clone() for name, p in model.named_parameters()}
+    backend.step()  # the norms are read; nothing is written
+    assert all(torch.equal(p.grad, raw[name]) for name, p in model.named_parameters())
+    factor = backend.stats()["folded_factor"]
+    assert 0 < factor.item() < 0.5
+    scaled = backend.scaled_grads(model)
+    total = torch.stack([g.double().norm() for g in raw.values()]).norm()
+    coef = min(1.0, 0.05 / (total.item() + 1e-6))  # clip_grad_norm_'s coefficient
+    for name, g in scaled.items():
+        torch.testing.assert_close(g, raw[name] * coef, rtol=1e-6, atol=1e-9, msg=name)
+    optimizer.step()  # the fused update applies the factor and writes the gradient it used back
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, scaled[name], rtol=1e-6, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize(
+    "make, policy, scope, message",
+    [
+        (lambda p: torch.optim.AdamW(p, foreach=True), fxgrad.clip_by_global_norm(1.0), "step", r"fused=True"),
+        (lambda p: torch.optim.AdamW(p, fused=True), fxgrad.clip_by_norm(1.0), "step", r"clip_by_norm"),
+        (lambda p: torch.optim.AdamW(p, fused=True), fxgrad.clip_by_global_norm(1.0), "graph", r"graph scope"),
+    ],
+    ids=["foreach", "per-layer", "graph-scope"],
+)
+def test_combinations_that_do_not_fold_warn_once_and_stay_exact(make, policy, scope, message):
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
+    optimizer = make(model.parameters())
+    with pytest.warns(RuntimeWarning, match=message):
+        backend.fold(optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        train(model, optimizer, 3, backend=backend)
+    unfolded = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
+    train(expected, make(expected.parameters()), 3, backend=unfolded)
+    assert_same_weights(model, expected)
+
+
+def test_optimizers_it_cannot_fold_are_refused():
+    params = mlp().parameters()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="step")
+    with pytest.raises(ValueError, match=r"\boptimizer\b: fxgrad cannot fold into LBFGS"):
+        backend.fold(torch.optim.LBFGS(params))
+    with pytest.raises(TypeError, match=r"\boptimizer\b must be a torch.optim.Optimizer"):
+        backend.fold("adam")
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    backend.fold(optimizer)
+    compiled = torch.compile(model, backend=backend)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = compiled(torch.randn(4, 8)).sum()
+        loss.backward()
+        return loss
+
+    closure()
+    with pytest.raises(ValueError, match=r"fold: optimizer.step\(closure\)"):
+        optimizer.step(closure)
+
+
+def test_explain_says_the_gradients_are_folded():
+    model = mlp()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    backend.fold(optimizer)
+    table = fxgrad.explain(model, torch.randn(4, 8), backend=backend).table()
+    assert "folded into AdamW: its update applies the global factor" in table
