@@ -230,3 +230,26 @@ def test_explain_says_the_gradients_are_folded():
     backend.fold(optimizer)
     table = fxgrad.explain(model, torch.randn(4, 8), backend=backend).table()
     assert "folded into AdamW: its update applies the global factor" in table
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_fixed_multiplier_under_adam_is_reported_as_cancelled(scope):
+    """The rescaling article's "amplify the stem 3x" as a gradient factor: AdamW divides it out."""
+    torch.manual_seed(0)
+    stem = fxgrad.rescale(alpha=0, multipliers={"0": 3.0})
+    model = mlp()
+    plain = copy.deepcopy(model)
+    backend = fxgrad.backend(stem, compiler="aot_eager", scope=scope)
+    with pytest.warns(fxgrad.CoverageWarning, match=r"AdamW's update divides the gradient by its running RMS"):
+        train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 10, backend=backend)
+    train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), 10)
+    assert_same_weights(model, plain, rtol=1e-4)  # what the warning says: the policy did (almost) nothing
+
+    for policy, make in (
+        (stem, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),  # SGD: the multiplier acts
+        (fxgrad.rescale(alpha=0.5), lambda p: torch.optim.AdamW(p, lr=1e-2)),  # varies per step: acts
+    ):
+        model = mlp()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fxgrad.CoverageWarning)
+            train(model, make(model.parameters()), 2, backend=fxgrad.backend(policy, compiler="aot_eager", scope=scope))

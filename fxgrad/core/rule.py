@@ -103,6 +103,11 @@ class Leaf(Transform):
     folds: ClassVar[Literal["global", "identity"] | None] = None
     name: ClassVar[str] = "leaf"
 
+    def fixed_factors(self) -> bool:
+        """Whether its factor for a layer is the same on every step (a constant multiplier):
+        an Adam-type update divides it out."""
+        return False
+
     def check_followers(self, later: Sequence[Leaf]) -> None:
         """Raise ``ValueError`` if this leaf needs something of the leaves after it in the policy."""
 

@@ -105,12 +105,14 @@ class Backend:
                 self._watched,
                 lambda: self._backwards,
                 lambda: self.current_scope() == "graph",
+                self._before_update,
             )
         self._step = None  # runs the policy on .grad in step scope
         self._programs = StepPrograms(compiler)  # ... as compiled programs, by gradient layout
         self._folded: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # see fold()
+        self._cancel_checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         if transform is not None:
-            self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._hand_factor)
+            self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update)
             if scope == "step":
                 self._step.arm()
 
@@ -364,8 +366,14 @@ class Backend:
         factor = self.store.stat("folded_factor")
         return {name: (g * factor).to(g.dtype) for name, g in grads.items()}
 
-    def _hand_factor(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """Before a folded optimizer's step: give it the factor the policy left."""
+    def _before_update(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Before the step of an optimizer of this backend's models, once the policy ran: warn if
+        the update cancels the policy, and give a folded optimizer the factor the policy left."""
+        if optimizer not in self._cancel_checked:
+            self._cancel_checked.add(optimizer)
+            why = folding.cancelled(optimizer, self.transform)
+            if why is not None:
+                warnings.warn(why, CoverageWarning, stacklevel=4)
         if optimizer not in self._folded:
             return
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args: (optimizer, *step's args)

@@ -32,6 +32,17 @@ from fxgrad.core.rule import Transform
 
 FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # their fused update reads grad_scale
 
+# Updates that divide by a running RMS of the gradient: a constant per-layer factor cancels.
+NORMALIZING = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+)
+
 _SET_HERE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # grad_scale set by fxgrad, not a GradScaler
 
 
@@ -64,6 +75,26 @@ def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scop
             "the step program applies the factors"
         )
     return None
+
+
+def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> str | None:
+    """A warning when ``optimizer``'s update divides out everything ``transform`` does.
+
+    A per-layer factor that holds across steps scales a layer's ``m`` and
+    ``sqrt(v)`` alike, so Adam's ``m / sqrt(v)`` is unchanged: ``rescale(alpha=0,
+    multipliers=...)`` moved an MLP's weights by 5e-7 under AdamW over 50 steps.
+    """
+    if transform is None or not isinstance(optimizer, NORMALIZING):
+        return None
+    acting = [leaf for leaf in transform.leaves() if leaf.folds != "identity"]
+    if not acting or not all(leaf.fixed_factors() for leaf in acting):
+        return None
+    return (
+        f"fxgrad: {transform!r} only multiplies each layer's gradient by a factor that is the same on every "
+        f"step, and {type(optimizer).__name__}'s update divides the gradient by its running RMS, so the factor "
+        "cancels: the weights move as without the policy (up to float rounding). Give the layers their own "
+        "learning rates (optimizer param groups) instead, or use SGD, where it acts."
+    )
 
 
 def give(optimizer: torch.optim.Optimizer, factor: torch.Tensor) -> None:

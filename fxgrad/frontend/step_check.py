@@ -113,8 +113,10 @@ class StepCheck:
 
     ``models()`` lists the models the backend was handed or met, ``watched``
     those that ``backend.compile`` watches at each forward, ``backwards()``
-    counts backward passes through the backend's graphs and ``in_graph()``
-    tells whether the policy runs in the backward graphs now.
+    counts backward passes through the backend's graphs, ``in_graph()``
+    tells whether the policy runs in the backward graphs now, and
+    ``before_update(optimizer, args, kwargs)`` runs before the step of an
+    optimizer that steps parameters of the backend's graphs.
     """
 
     def __init__(
@@ -126,10 +128,11 @@ class StepCheck:
         watched: weakref.WeakSet,
         backwards: Callable[[], int],
         in_graph: Callable[[], bool],
+        before_update: Callable[[torch.optim.Optimizer, tuple, dict], None],
     ) -> None:
         self.owner = weakref.ref(owner)
         self.registry, self.coverage, self.models, self.watched = registry, coverage, models, watched
-        self.backwards, self.in_graph = backwards, in_graph
+        self.backwards, self.in_graph, self.before_update = backwards, in_graph, before_update
         self._seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Seen] = weakref.WeakKeyDictionary()
         self._armed = False
 
@@ -144,8 +147,10 @@ class StepCheck:
         stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not stepped:
             return
-        seen = self._seen.setdefault(optimizer, _Seen())
         held = self.registry.held()
+        if any(id(p) in held for p in stepped):
+            self.before_update(optimizer, args, kwargs)
+        seen = self._seen.setdefault(optimizer, _Seen())
         unheld = frozenset(id(p) for p in stepped if id(p) not in held)
         if unheld and unheld != seen.unheld:
             seen.unheld = unheld

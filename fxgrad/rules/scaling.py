@@ -74,6 +74,9 @@ class Rescale(ScaleLeaf):
     every: int | None = field(None, kw_only=True, shown=lambda rule: rule.every is not None)
     decay: float = field(0.9, kw_only=True, shown=lambda rule: rule.target == "ema")
 
+    def fixed_factors(self) -> bool:
+        return self.alpha == 0  # only the multipliers are left
+
     def __post_init__(self) -> None:
         target = self.target
         if isinstance(target, str):
