@@ -14,6 +14,11 @@ compilation excluded:
 * ``hooks rescale`` (with the rescale policy): module backward hooks under
   compiled autograd, as the rescaling article writes it.
 
+Each variant's gradients after its first step (policy applied) must equal those of the
+same policy in eager PyTorch (``fxgrad`` and ``fxgrad step`` against ``eager``,
+``compiled again`` against ``compiled``), or the run stops: a policy that did nothing
+would otherwise be timed as if it worked.
+
 It also reports cold compile time (the first step in a fresh process with
 empty caches) and the kernel launches fxgrad adds to the compiled backward,
 then writes a Markdown table.
@@ -57,9 +62,13 @@ class Variant:
 
     autocast: torch.dtype | None = None  # set by main() for --dtype bfloat16 / float16
 
-    def __init__(self, name, model, compiled, after_backward, inputs, around_step=contextlib.nullcontext):
+    def __init__(
+        self, name, model, compiled, after_backward, inputs, around_step=contextlib.nullcontext, reference=None
+    ):
         self.name, self.model, self.compiled = name, model, compiled
         self.after_backward, self.around_step = after_backward, around_step
+        self.reference = reference  # the variant whose first-step gradients this one's must equal
+        self.first_grads: list[torch.Tensor | None] | None = None
         self.args, self.kwargs = inputs
         self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
         self.layers = layers_of(model)
@@ -85,10 +94,29 @@ class Variant:
             loss = self.loss()
             code = "\n".join(_compat.generated_code(loss.backward))  # the backward's code only
         self.after_backward(self.model, self.layers)
+        # runs after scope="step"'s policy, a global optimizer pre-hook
+        keep = self.optimizer.register_step_pre_hook(lambda *_: self._keep_grads())
         self.optimizer.step()
+        keep.remove()
         self.optimizer.zero_grad(set_to_none=True)
         synchronize()
         return time.perf_counter() - start, len(LAUNCH.findall(code))
+
+    def _keep_grads(self) -> None:
+        self.first_grads = [None if p.grad is None else p.grad.detach().clone() for p in self.model.parameters()]
+
+    def assert_same_gradients(self, reference: Variant) -> None:
+        """This variant's first-step gradients equal ``reference``'s, per parameter, to
+        ``rtol`` relative to the gradient's size (looser under autocast)."""
+        rtol = 1e-4 if self.autocast is None else 3e-2
+        for (name, p), a, b in zip(self.model.named_parameters(), self.first_grads, reference.first_grads):
+            if a is None or b is None:
+                assert a is b, f"{self.name} vs {reference.name}: {name} has a gradient in one only"
+                continue
+            atol = rtol * b.abs().max().item()
+            torch.testing.assert_close(
+                a, b, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{self.name} vs {reference.name}: {name}: {m}"
+            )
 
 
 def synchronize() -> None:
@@ -114,17 +142,18 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
     copy_of = lambda: copy.deepcopy(model)  # noqa: E731
     variants = [
         Variant("compiled", (m := copy_of()), compiled(m), no_policy, inputs),
-        Variant("compiled again", (m := copy_of()), compiled(m), no_policy, inputs),
+        Variant("compiled again", (m := copy_of()), compiled(m), no_policy, inputs, reference="compiled"),
     ]
     for policy in policies:
         transform, make_eager = POLICIES[policy]
         eager = make_eager()
         m = copy_of()
         backend = fxgrad.backend(transform, compiler=compiler)
-        variants.append(Variant(f"fxgrad {policy}", m, backend.compile(m), no_policy, inputs))
+        reference = f"eager {policy}"
+        variants.append(Variant(f"fxgrad {policy}", m, backend.compile(m), no_policy, inputs, reference=reference))
         m = copy_of()
         stepped = fxgrad.backend(transform, compiler=compiler, scope="step")
-        variants.append(Variant(f"fxgrad step {policy}", m, stepped.compile(m), no_policy, inputs))
+        variants.append(Variant(f"fxgrad step {policy}", m, stepped.compile(m), no_policy, inputs, reference=reference))
         m = copy_of()
         variants.append(Variant(f"eager {policy}", m, compiled(m), eager, inputs))
     if "rescale" in policies:
@@ -150,7 +179,15 @@ def under_compiled_autograd(compiler: str):
 
 
 def measure(variants, repeats, steps):
-    first = {v.name: v.first_step() for v in variants}
+    by_name = {v.name: v for v in variants}
+    first = {}
+    for v in sorted(variants, key=lambda v: v.reference is not None):  # references first
+        first[v.name] = v.first_step()
+        if v.reference is not None:
+            v.assert_same_gradients(by_name[v.reference])
+            v.first_grads = None
+    for v in variants:
+        v.first_grads = None
     for v in variants:
         v.step()  # one warm step each
     for r in range(repeats):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from unittest import mock
 
 import models
@@ -24,8 +25,43 @@ def eager_grads(model, args, kwargs):
     models.loss_of(model(*args, **kwargs)).backward()
 
 
-def assert_grads_close(actual_model, expected_model, rtol=1e-5):
-    """Per parameter, the gradients agree to ``rtol`` relative to the gradient's size."""
+ACTS = 1e-2
+"""The least change, relative to the gradient's size, a policy's reference must make to
+some gradient: a policy too weak to act would pass for parity without doing anything."""
+
+
+def grads_of(model) -> list[torch.Tensor | None]:
+    """A copy of each parameter's gradient (None where there is none)."""
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def change(untouched, model) -> float:
+    """The largest change of ``model``'s gradients from ``untouched``: per parameter,
+    max |new - old| over max |new|, as :func:`assert_grads_close` measures (inf where
+    a non-finite value changed)."""
+    worst = 0.0
+    for before, p in zip(untouched, model.parameters()):
+        if before is None or p.grad is None:
+            continue
+        scale = p.grad.abs().max().nan_to_num(nan=0.0).clamp_min(1e-30)
+        moved = (p.grad - before).abs().nan_to_num(nan=math.inf).max()
+        worst = max(worst, (moved / scale).item())
+    return worst
+
+
+def assert_acted(moved: float) -> None:
+    """A reference's largest :func:`change` of a gradient is more than :data:`ACTS`."""
+    assert moved > ACTS, f"the reference moved no gradient by more than {moved:.2g} of its size: the policy did not act"
+
+
+def assert_grads_close(actual_model, expected_model, rtol=1e-5, untouched=None):
+    """Per parameter, the gradients agree to ``rtol`` relative to the gradient's size.
+
+    With ``untouched`` (the gradients before the reference edited ``expected_model``'s),
+    also check that the reference changed them by more than :data:`ACTS`.
+    """
+    if untouched is not None:
+        assert_acted(change(untouched, expected_model))
     for (name, a), b in zip(actual_model.named_parameters(), expected_model.parameters()):
         if b.grad is None:
             assert a.grad is None, name
@@ -41,7 +77,8 @@ def check_parity(model_name, transform, reference, compiler="aot_eager", rtol=1e
     Under ``aot_eager`` the baseline is eager PyTorch. Inductor's own backward
     already differs from eager by up to ~3e-5 on BatchNorm, so there the
     baseline is the same model compiled by Inductor without a transform, and
-    the comparison isolates what fxgrad adds; eager is checked at 1e-4.
+    the comparison isolates what fxgrad adds; eager is checked at 1e-4. The
+    reference must change the baseline's gradients by more than :data:`ACTS`.
     """
     if model_name == "lstm":
         _compat.dynamo_config().allow_rnn = True
@@ -56,8 +93,9 @@ def check_parity(model_name, transform, reference, compiler="aot_eager", rtol=1e
         assert_grads_close(model, eager, 1e-4)
     else:
         eager_grads(expected, args, kwargs)
+    untouched = grads_of(expected)
     reference(expected)
-    assert_grads_close(model, expected, rtol)
+    assert_grads_close(model, expected, rtol, untouched=untouched)
     return backend
 
 
@@ -83,33 +121,52 @@ def batches(steps, spikes=()):
 
 
 def run_both(
-    policy, reference_step, steps, spikes=(), compiler="aot_eager", model=None, lr=0.0, rtol=1e-5, inputs=None
+    policy,
+    reference_step,
+    steps,
+    spikes=(),
+    compiler="aot_eager",
+    model=None,
+    lr=0.0,
+    rtol=1e-5,
+    inputs=None,
+    acts=True,
+    stats=None,
 ):
     """Same model, same inputs; compiled with ``policy`` vs eager + ``reference_step``.
 
     With ``lr=0`` there is no optimizer step, so the two runs differ only
     through the policies' state; with ``lr > 0`` both take SGD steps. Every
     step after the first runs under :func:`no_host_sync`. ``inputs`` replaces
-    :func:`batches`. Returns the backend and the reference's per-step results.
+    :func:`batches`. With ``acts`` (a policy that changes gradients), the
+    reference must change them by more than :data:`ACTS` on some step. A list
+    passed as ``stats`` receives ``backend.stats()`` after every step. Returns
+    the backend and the reference's per-step results.
     """
     torch.manual_seed(0)
     model = model if model is not None else models.MLP()
     eager = copy.deepcopy(model)
     backend = fxgrad.backend(policy, compiler=compiler)
     compiled = backend.compile(model)
-    results = []
+    results, moved = [], 0.0
     for step, x, weight in inputs if inputs is not None else batches(steps, spikes):
         model.zero_grad()
         eager.zero_grad()
         with no_host_sync() if step > 0 else contextlib.nullcontext():
             (models.loss_of(compiled(x)) * weight).backward()
         (models.loss_of(eager(x)) * weight).backward()
+        untouched = grads_of(eager)
         results.append(reference_step(eager))
+        moved = max(moved, change(untouched, eager))
         assert_grads_close(model, eager, rtol=rtol)
+        if stats is not None:
+            stats.append(backend.stats())
         if lr:
             with torch.no_grad():
                 for a, b in zip(model.parameters(), eager.parameters()):
                     a -= lr * a.grad
                     b -= lr * b.grad
     assert len(backend.graphs) == 1  # thresholds changed every step, the graph did not
+    if acts:
+        assert_acted(moved)
     return backend, results

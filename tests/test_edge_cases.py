@@ -7,7 +7,7 @@ import pytest
 import reference as ref
 import torch
 import torch.nn as nn
-from parity import assert_grads_close
+from parity import assert_grads_close, grads_of
 
 import fxgrad
 
@@ -88,21 +88,52 @@ def test_dynamic_batch_sizes_compile_once(compiler):
     assert len(backend.graphs) == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_keeps_dtype_and_accumulates_in_float32(dtype):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).to(dtype)
-    unclipped = copy.deepcopy(model)
-    x = torch.randn(32, 64, dtype=dtype)
-    compile_and_step(model, fxgrad.clip_by_global_norm(1e-3), x)
-    models.loss_of(unclipped(x)).backward()
-    grads = [p.grad.float() for p in unclipped.parameters()]
-    total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
-    coef = min(1.0, 1e-3 / (total.item() + 1e-6))
-    for p, g in zip(model.parameters(), grads):
+class GradientIs(nn.Module):
+    """A layer whose gradients are exactly the inputs ``gw`` and ``gb``."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(64, 256, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(256, dtype=dtype))
+
+    def forward(self, gw, gb):
+        return (self.weight * gw).sum() + (self.bias * gb).sum()
+
+
+LOW_PRECISION = {
+    # |g| in [1e-4, 1.6e-4]: every square is below half of float16's smallest subnormal (6e-8) and rounds to 0
+    "float16-squares-underflow": (torch.float16, 1e-4, 1.6e-4, 0.01),
+    # |g| in [300, 500]: every square is above float16's largest value (65504)
+    "float16-squares-overflow": (torch.float16, 300.0, 500.0, 1e4),
+    # bfloat16 has float32's range; 16640 squares, each rounded to 8 bits, shift the norm by ~1e-3
+    "bfloat16-many-squares": (torch.bfloat16, 0.01, 1.0, 1.0),
+}
+
+
+@pytest.mark.parametrize("case", LOW_PRECISION)
+def test_low_precision_keeps_dtype_and_accumulates_in_float32(case):
+    """The clip of float16/bfloat16 gradients equals the float64 result rounded once to the dtype."""
+    dtype, low, high, max_norm = LOW_PRECISION[case]
+    gen = torch.Generator().manual_seed(0)
+
+    def gradient(*shape):
+        magnitude = low + (high - low) * torch.rand(shape, generator=gen, dtype=torch.float64)
+        return (magnitude * torch.randn(shape, generator=gen, dtype=torch.float64).sign()).to(dtype)
+
+    model = GradientIs(dtype)
+    gw, gb = gradient(64, 256), gradient(256)
+    fxgrad.backend(fxgrad.clip_by_global_norm(max_norm), compiler="aot_eager").compile(model)(gw, gb).backward()
+    exact = [g.double() for g in (gw, gb)]
+    total = torch.sqrt(sum((g * g).sum() for g in exact))
+    coef = min(1.0, max_norm / (total.item() + 1e-6))
+    assert coef < 0.9  # the clip acts
+    finfo = torch.finfo(dtype)
+    for p, g in zip(model.parameters(), exact):
         assert p.grad.dtype == dtype
-        # one rounding to the low-precision dtype, no accumulated error
-        torch.testing.assert_close(p.grad.float(), (g * coef).to(dtype).float(), rtol=1e-2, atol=0)
+        # one rounding to the dtype (half an ulp, or half the subnormal spacing), plus float32's coefficient
+        torch.testing.assert_close(
+            p.grad.double(), g * coef, rtol=finfo.eps / 2 + 1e-6, atol=finfo.smallest_normal * finfo.eps / 2
+        )
 
 
 def test_compiled_autograd_is_refused_in_graph_scope():
@@ -114,12 +145,47 @@ def test_compiled_autograd_is_refused_in_graph_scope():
         lambda: compiled_autograd._enable(torch.compile(backend="aot_eager")),
         lambda: torch._dynamo.config.patch(compiled_autograd=True),
     ):
-        backend = fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager")
+        backend = fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager")
         compiled = backend.compile(model)
         with enable(), pytest.raises(fxgrad.CoverageError, match="compiled autograd is on"):
             compiled(torch.randn(2, 16))
-        models.loss_of(compiled(torch.randn(2, 16))).backward()  # and works once it is off
+        model.zero_grad()
+        expected, x = copy.deepcopy(model), torch.randn(2, 16)
+        models.loss_of(compiled(x)).backward()  # once it is off, the policy runs
+        models.loss_of(expected(x)).backward()
+        untouched = grads_of(expected)
+        ref.clip_per_layer(expected, 1e-3)
+        assert_grads_close(model, expected, untouched=untouched)
         torch._dynamo.reset()
+
+
+class CheckpointedMLP(models.MLP):
+    """The MLP with its hidden layers under activation checkpointing, inside the compiled forward."""
+
+    def forward(self, x):
+        x = self.net[0](x)
+        x = torch.utils.checkpoint.checkpoint(self.net[1:-1], x, use_reentrant=False)
+        return self.net[-1](x)
+
+
+@pytest.mark.parametrize("where", ["around the compiled model", "inside the compiled model"])
+def test_activation_checkpointing_keeps_the_policy(where):
+    """The backward recomputes the forward; the gradients still get the policy."""
+    torch.manual_seed(0)
+    model = models.MLP() if where == "around the compiled model" else CheckpointedMLP()
+    expected, x = copy.deepcopy(model), torch.randn(8, 16)
+    policy = fxgrad.chain(fxgrad.clip_by_norm(1e-3), fxgrad.clip_by_global_norm(1e-3))
+    compiled = fxgrad.backend(policy, compiler="aot_eager").compile(model)
+    if where == "around the compiled model":
+        out = torch.utils.checkpoint.checkpoint(compiled, x, use_reentrant=False)
+    else:
+        out = compiled(x)
+    models.loss_of(out).backward()
+    models.loss_of(expected(x)).backward()
+    untouched = grads_of(expected)
+    ref.clip_per_layer(expected, 1e-3)
+    ref.clip_global(expected, 1e-3)
+    assert_grads_close(model, expected, untouched=untouched)
 
 
 class ComplexHead(nn.Module):

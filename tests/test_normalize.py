@@ -37,8 +37,8 @@ def test_normalization_under_inductor():
 
 @pytest.mark.inductor
 def test_multi_normalize_state_under_inductor():
+    reference = ref.MultiNormalize(((0, ("l2", "linf")),), ((0, 0.3),), ("l2", "linf", "mix"))
     transform = fxgrad.multi_normalize(("l2", "linf"), switching_threshold=0.3)
-    reference = ref.MultiNormalize(transform.schedule, transform.thresholds, transform.candidates)
     run_both(transform, reference.step, 8, inputs=dense_then_sparse(8, 4), compiler="inductor")
 
 
@@ -65,21 +65,31 @@ def dense_then_sparse(steps, switch_at):
 
 
 def test_multi_normalize_switches_with_hysteresis():
+    candidates = ("l2", "linf", "mix")  # norm_choice/<layer> indexes these
+    reference = ref.MultiNormalize(schedule=((0, ("l2", "linf")),), thresholds=((0, 0.3),), candidates=candidates)
+    snapshots = []
     transform = fxgrad.multi_normalize(("l2", "linf"), switching_threshold=0.3)
-    reference = ref.MultiNormalize(transform.schedule, transform.thresholds, transform.candidates)
-    backend, seen = run_both(transform, reference.step, 12, inputs=dense_then_sparse(12, 6))
+    _, seen = run_both(transform, reference.step, 12, inputs=dense_then_sparse(12, 6), stats=snapshots)
     choices = [s["net.0"][0] for s in seen]
-    assert len(set(choices)) > 1  # the first layer changed strategy when its input became sparse
-    stats = backend.stats()
-    assert stats["norm_choice/net.0"].item() == choices[-1]
-    assert stats["peakedness/net.0"].item() == pytest.approx(seen[-1]["net.0"][1], rel=1e-5)
+    assert candidates[choices[0]] == "l2" and candidates[choices[-1]] != "l2"  # the input became sparse
+    for stats, expected in zip(snapshots, seen):
+        assert stats["norm_choice/net.0"].item() == expected["net.0"][0]
+        assert stats["peakedness/net.0"].item() == pytest.approx(expected["net.0"][1], rel=1e-5)
 
 
 def test_multi_normalize_schedules():
-    transform = fxgrad.multi_normalize(schedule={0: ("l2",), 3: ("l2", "linf")}, threshold_schedule={0: 0.5, 6: 0.05})
-    reference = ref.MultiNormalize(transform.schedule, transform.thresholds, transform.candidates)
-    _, seen = run_both(transform, reference.step, 10, inputs=dense_then_sparse(10, 5))
-    assert all(s[name][0] == 0 for s in seen[:3] for name in s)  # only l2 before step 3
+    """``rms`` leaves the allowed set at step 3, so every layer chooses again there."""
+    reference = ref.MultiNormalize(
+        schedule=((0, ("rms",)), (3, ("l2", "linf"))),
+        thresholds=((0, 0.5), (6, 0.05)),
+        candidates=("rms", "l2", "linf", "mix"),
+    )
+    transform = fxgrad.multi_normalize(schedule={0: ("rms",), 3: ("l2", "linf")}, threshold_schedule={0: 0.5, 6: 0.05})
+    snapshots = []
+    _, seen = run_both(transform, reference.step, 10, inputs=dense_then_sparse(10, 5), stats=snapshots)
+    assert all(s[name][0] == 0 for s in seen[:3] for name in s)  # only rms before step 3
+    assert all(s[name][0] != 0 for s in seen[3:] for name in s)
+    assert [s["norm_choice/net.0"].item() for s in snapshots] == [s["net.0"][0] for s in seen]
 
 
 def test_weight_norm_drift_with_weights_moving():

@@ -13,7 +13,7 @@ import pytest
 import reference as ref
 import torch
 import torch.nn as nn
-from parity import assert_grads_close, batches, run_both
+from parity import assert_grads_close, batches, grads_of, run_both
 
 import fxgrad
 
@@ -47,6 +47,7 @@ def test_adaptive_clipping_under_inductor():
 
 
 def test_monitor_records_norms_emas_and_spikes():
+    """Every step's statistics equal the reference's: the spike step is flagged, no other is."""
     reference = ref.Monitor(ema=0.8, spike_z=3.0, warmup=5)
     policy = fxgrad.chain(fxgrad.monitor(ema=0.8, warmup=5, weights=True), fxgrad.clip_by_norm(0.01))
 
@@ -55,15 +56,18 @@ def test_monitor_records_norms_emas_and_spikes():
         ref.clip_per_layer(model, 0.01)
         return seen
 
-    backend, seen = run_both(policy, step, 25, spikes=(15,))
-    stats = backend.stats()
-    for layer, values in seen[-1].items():
-        for stat, value in values.items():
-            assert stats[f"{stat}/{layer}"].item() == pytest.approx(value, rel=1e-5, abs=1e-9), (stat, layer)
+    snapshots = []
+    _, seen = run_both(policy, step, 25, spikes=(15,), stats=snapshots)
+    for i, (stats, expected) in enumerate(zip(snapshots, seen)):
+        for layer, values in expected.items():
+            for stat, value in values.items():
+                assert stats[f"{stat}/{layer}"].item() == pytest.approx(value, rel=1e-5, abs=1e-9), (i, stat, layer)
+    flagged = [sorted(k for k, v in stats.items() if k.startswith("spike/") and v.item() == 1.0) for stats in snapshots]
+    assert "spike/net.0" in flagged[15]
+    assert not any(flagged[:15] + flagged[16:])
+    stats = snapshots[-1]
     assert all(stats[f"grad_norm_clipped/{layer}"].item() <= 0.01 + 1e-6 for layer in ("net.0", "net.3"))
     assert stats["grad_norm_clipped/net.1"].item() == pytest.approx(seen[-1]["net.1"]["grad_norm"], rel=1e-5)
-    spike_history = [v["spike"] for s in seen for k, v in s.items() if k == "net.0"]
-    assert spike_history[15] == 1.0
 
 
 def test_monitor_weight_norms_are_the_compiled_models_own():
@@ -71,7 +75,8 @@ def test_monitor_weight_norms_are_the_compiled_models_own():
     model = models.MLP()
     layers = {"net.0": model.net[0], "net.3": model.net[3]}
     initial = {name: [p.detach().clone() for p in module.parameters()] for name, module in layers.items()}
-    backend, _ = run_both(fxgrad.monitor(weights=True), lambda m: None, 6, model=model, lr=1.0)  # weights move
+    # lr=1: the weights move; monitor changes no gradient
+    backend, _ = run_both(fxgrad.monitor(weights=True), lambda m: None, 6, model=model, lr=1.0, acts=False)
     stats = backend.stats()
     for layer, module in layers.items():
         # the compiled model's weights when the last backward read them, before its SGD step
@@ -140,41 +145,69 @@ def test_nan_propagates_by_default():
     assert torch.isnan(backend.stats()["grad_norm/total"])
 
 
-def test_zero_nonfinite_replaces_and_counts():
-    model = models.MLP()
-    backend = fxgrad.backend(
-        fxgrad.chain(fxgrad.zero_nonfinite(), fxgrad.clip_by_global_norm(1.0)), compiler="aot_eager"
-    )
-    x = torch.randn(4, 16)
-    x[0, 3] = float("inf")
-    models.loss_of(backend.compile(model)(x)).backward()
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+class TwoBranches(nn.Module):
+    """``c = inf`` makes only branch ``b``'s gradient non-finite, as an fp16 overflow often does;
+    a vector ``c`` with one inf, only one row of ``b.weight``'s and one element of ``b.bias``'s."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x, c):
+        return self.head(torch.relu(self.a(x))).sum() + (self.b(x) * c).sum()
+
+
+def one_inf(index=1):
+    c = torch.ones(8)
+    c[index] = math.inf
+    return c
+
+
+def test_zero_nonfinite_zeroes_the_nonfinite_elements_only_and_counts_them():
+    torch.manual_seed(0)
+    model = TwoBranches()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.zero_nonfinite(), compiler="aot_eager")
+    x, c = torch.randn(4, 8), one_inf()
+    backend.compile(model)(x, c).backward()
+    eager(x, c).backward()
+    untouched = grads_of(eager)
+    for p in eager.parameters():
+        p.grad = torch.where(torch.isfinite(p.grad), p.grad, 0)
+    assert_grads_close(model, eager, untouched=untouched)
     stats = backend.stats()
-    assert stats["nonfinite_elements"].item() > 0
-    assert stats["nonfinite/net.0"].item() > 0
+    assert stats["nonfinite_elements"].item() == 8 + 1  # row 1 of b.weight's gradient, b.bias[1]
+    assert {layer: stats[f"nonfinite/{layer}"].item() for layer in ("a", "b", "head")} == {"a": 0, "b": 9, "head": 0}
 
 
 @pytest.mark.parametrize("scope", ["graph", "step"])
 def test_skip_nonfinite_zeroes_the_step_and_step_if_finite_skips_it(scope):
     torch.manual_seed(0)
-    model = models.MLP()
+    model = TwoBranches()
+    eager = copy.deepcopy(model)
     backend = fxgrad.backend(
         fxgrad.chain(fxgrad.skip_nonfinite(), fxgrad.clip_by_global_norm(1.0)), compiler="aot_eager", scope=scope
     )
     compiled = backend.compile(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    optimizers = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (model, eager)]
     for step in range(4):
-        x = torch.randn(4, 16)
-        if step == 2:
-            x[1, 1] = float("nan")
-        models.loss_of(compiled(x)).backward()
+        x, c = torch.randn(4, 8), one_inf() if step == 2 else torch.ones(8)
+        compiled(x, c).backward()
+        eager(x, c).backward()
         before = [p.detach().clone() for p in model.parameters()]
-        stepped = fxgrad.step_if_finite(optimizer, backend)
+        stepped = fxgrad.step_if_finite(optimizers[0], backend)
         assert stepped == (step != 2)
         if step == 2:
-            assert all((p.grad == 0).all() for p in model.parameters())
+            assert torch.isfinite(eager.a.weight.grad).all() and eager.a.weight.grad.abs().max() > 0
+            assert all((p.grad == 0).all() for p in model.parameters())  # the finite branch's too
             assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-        optimizer.zero_grad()
+        else:
+            untouched = grads_of(eager)
+            ref.clip_global(eager, 1.0)
+            assert_grads_close(model, eager, untouched=untouched)
+            optimizers[1].step()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
     assert backend.stats()["nonfinite_steps"].item() == 1
 
 
@@ -262,17 +295,6 @@ def test_checkpoint_resume_matches_an_uninterrupted_run():
     for a, b in zip(after, straight[8:]):
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y)
-
-
-class TwoBranches(nn.Module):
-    """``c = inf`` makes only branch ``b``'s gradient non-finite, as an fp16 overflow often does."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
-
-    def forward(self, x, c):
-        return self.head(torch.relu(self.a(x))).sum() + (self.b(x) * c).sum()
 
 
 @pytest.mark.parametrize(

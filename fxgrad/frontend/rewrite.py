@@ -63,7 +63,8 @@ def record_policy(
     fold: bool = False,
 ) -> dict[str, list[torch.fx.Node]]:
     """Record ``routes`` over the gradient nodes ``grads`` (layer -> its gradients' nodes)
-    before ``gm``'s output; the nodes holding each layer's new gradients, in the same order."""
+    before ``gm``'s output; the nodes holding each layer's new gradients, in the same order.
+    Recorded nodes whose values neither these nor a side effect use are left out."""
     values = [node.meta["val"] for nodes in grads.values() for node in nodes]
     recorder = GraphRecorder(gm, _compat.detect_fake_mode(values), _compat.inductor_decompositions())
     tensors = {name: [recorder.bind(node) for node in nodes] for name, nodes in grads.items()}
@@ -79,4 +80,6 @@ def record_policy(
             set_label=lambda label: setattr(recorder, "label", label),
             fold=fold,
         )
-    return {name: [recorder.node(tensor) for tensor in new] for name, new in tensors.items()}
+    results = {name: [recorder.node(tensor) for tensor in new] for name, new in tensors.items()}
+    recorder.eliminate_dead_code(node for nodes in results.values() for node in nodes)
+    return results

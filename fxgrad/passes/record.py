@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.fx
@@ -54,6 +54,7 @@ class GraphRecorder(TorchDispatchMode):
         self.label = "fxgrad"
         self._nodes: dict[int, tuple[torch.Tensor, torch.fx.Node]] = {}
         self._results_by_signature: dict[tuple, torch.Tensor] = {}
+        self._recorded: list[torch.fx.Node] = []
 
     def bind(self, node: torch.fx.Node) -> torch.Tensor:
         """The fake tensor standing for ``node`` in recorded code."""
@@ -78,6 +79,18 @@ class GraphRecorder(TorchDispatchMode):
         """Record every op run inside the block, before the graph's output node."""
         with self.graph.inserting_before(self.graph.output_node()), self.fake_mode, self:
             yield self
+
+    def eliminate_dead_code(self, keep: Iterable[torch.fx.Node]) -> None:
+        """After recording, erase the recorded nodes whose values nothing uses: not in ``keep``,
+        without users and without side effects (a norm order only another transform needed,
+        a sort's indices). Nodes that were in the graph before the recording stay."""
+        keep, alive = set(keep), []
+        for node in reversed(self._recorded):  # users before the nodes they use
+            if node in keep or node.users or node.is_impure():
+                alive.append(node)
+            else:
+                self.graph.erase_node(node)
+        self._recorded = alive[::-1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -171,6 +184,7 @@ class GraphRecorder(TorchDispatchMode):
         return node
 
     def _tag(self, node: torch.fx.Node, value: Any) -> None:
+        self._recorded.append(node)
         node.meta["val"] = value
         node.meta[TAG] = self.label
         node.meta["stack_trace"] = f"fxgrad: {self.label}\n"
