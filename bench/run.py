@@ -12,7 +12,10 @@ compilation excluded:
 * ``eager``:    ``torch.compile(model)`` plus the policy in eager PyTorch after
   ``backward()`` (``clip_grad_norm_(foreach=True)``, per-layer loops);
 * ``hooks rescale`` (with the rescale policy): module backward hooks under
-  compiled autograd, as the rescaling article writes it.
+  compiled autograd, as the rescaling article writes it;
+* ``fxgrad fold <policy>`` (with ``--optimizer adamw-fused``, for policies of one
+  global factor): step scope with ``backend.fold(optimizer)``, the factor applied
+  by the fused update.
 
 Each variant's gradients after its first step (policy applied) must equal those of the
 same policy in eager PyTorch (``fxgrad`` and ``fxgrad step`` against ``eager``,
@@ -54,6 +57,11 @@ from policies import POLICIES, HookRescaled, layers_of  # noqa: E402
 import fxgrad  # noqa: E402
 from fxgrad import _compat  # noqa: E402
 
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-4),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True),
+}
+
 LAUNCH = re.compile(r"^\s+(cpp_fused_\w+|triton_\w+(?:\.run)?|extern_kernels\.\w+)\(", re.MULTILINE)
 
 
@@ -61,16 +69,26 @@ class Variant:
     """One way of training one model copy."""
 
     autocast: torch.dtype | None = None  # set by main() for --dtype bfloat16 / float16
+    optimizer_name = "sgd"  # set by main() for --optimizer
 
     def __init__(
-        self, name, model, compiled, after_backward, inputs, around_step=contextlib.nullcontext, reference=None
+        self,
+        name,
+        model,
+        compiled,
+        after_backward,
+        inputs,
+        around_step=contextlib.nullcontext,
+        reference=None,
+        grads=None,
     ):
         self.name, self.model, self.compiled = name, model, compiled
         self.after_backward, self.around_step = after_backward, around_step
         self.reference = reference  # the variant whose first-step gradients this one's must equal
         self.first_grads: list[torch.Tensor | None] | None = None
+        self.grads = grads  # the gradients the update applies, if not .grad (a folded factor)
         self.args, self.kwargs = inputs
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        self.optimizer = OPTIMIZERS[self.optimizer_name](model.parameters())
         self.layers = layers_of(model)
         self.times: list[float] = []
 
@@ -103,7 +121,11 @@ class Variant:
         return time.perf_counter() - start, len(LAUNCH.findall(code))
 
     def _keep_grads(self) -> None:
-        self.first_grads = [None if p.grad is None else p.grad.detach().clone() for p in self.model.parameters()]
+        applied = self.grads() if self.grads is not None else {}
+        self.first_grads = [
+            None if p.grad is None else applied.get(name, p.grad).detach().clone()
+            for name, p in self.model.named_parameters()
+        ]
 
     def assert_same_gradients(self, reference: Variant) -> None:
         """This variant's first-step gradients equal ``reference``'s, per parameter, to
@@ -154,6 +176,20 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
         m = copy_of()
         stepped = fxgrad.backend(transform, compiler=compiler, scope="step")
         variants.append(Variant(f"fxgrad step {policy}", m, stepped.compile(m), no_policy, inputs, reference=reference))
+        if foldable(transform):
+            m = copy_of()
+            folded = fxgrad.backend(transform, compiler=compiler, scope="step")
+            variant = Variant(
+                f"fxgrad fold {policy}",
+                m,
+                folded.compile(m),
+                no_policy,
+                inputs,
+                reference=reference,
+                grads=lambda folded=folded, m=m: folded.scaled_grads(m),
+            )
+            folded.fold(variant.optimizer)
+            variants.append(variant)
         m = copy_of()
         variants.append(Variant(f"eager {policy}", m, compiled(m), eager, inputs))
     if "rescale" in policies:
@@ -169,6 +205,16 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
             )
         )
     return variants
+
+
+def foldable(transform) -> bool:
+    """Whether ``backend.fold`` moves the policy's factor into this run's optimizer."""
+    leaves = transform.leaves()
+    return (
+        Variant.optimizer_name.endswith("-fused")
+        and all(leaf.folds is not None for leaf in leaves)
+        and any(leaf.folds == "global" for leaf in leaves)
+    )
 
 
 def under_compiled_autograd(compiler: str):
@@ -215,6 +261,7 @@ def report_rows(model_name, policies, variants, first, compile_ratios):
     for policy in policies:
         fx, eager, step = by_name[f"fxgrad {policy}"], by_name[f"eager {policy}"], by_name[f"fxgrad step {policy}"]
         cold = compile_ratios.get(policy)
+        fold = by_name.get(f"fxgrad fold {policy}")
         rows.append(
             (
                 model_name,
@@ -224,6 +271,8 @@ def report_rows(model_name, policies, variants, first, compile_ratios):
                 f"{paired_ratio(fx, eager):.3f}",
                 f"{paired_ratio(step, base):.3f}",
                 f"{paired_ratio(step, eager):.3f}",
+                "-" if fold is None else f"{paired_ratio(fold, base):.3f}",
+                "-" if fold is None else f"{paired_ratio(fold, eager):.3f}",
                 f"{first[fx.name][1] - first['compiled'][1]:+d}",
                 "-" if cold is None else f"{cold:.2f}",
                 f"{paired_ratio(by_name['hooks rescale'], base):.3f}" if policy == "rescale" else "-",
@@ -240,6 +289,8 @@ HEADER = (
     "fxgrad / eager",
     "step scope / compiled",
     "step scope / eager",
+    "fold / compiled",
+    "fold / eager",
     "extra kernels",
     "cold compile fxgrad / compiled",
     "module hooks / compiled",
@@ -356,6 +407,12 @@ def main() -> None:
         choices=["float32", "bfloat16", "float16"],
         help="autocast dtype for the forward (parameters stay float32)",
     )
+    parser.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=list(OPTIMIZERS),
+        help="every variant's optimizer; adamw-fused adds the fold variant (backend.fold)",
+    )
     parser.add_argument("--no-pass-scaling", action="store_true", help="skip the pass-time measurement")
     parser.add_argument("--first-step", nargs=2, metavar=("MODEL", "POLICY"), help=argparse.SUPPRESS)
     parser.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)
@@ -363,6 +420,7 @@ def main() -> None:
     scale = options.scale or (0.25 if options.quick else 1.0)
     if options.dtype != "float32":
         Variant.autocast = getattr(torch, options.dtype)
+    Variant.optimizer_name = options.optimizer
     if options.first_step:
         run_first_step(*options.first_step, scale, options.compiler, options.device)
         return
@@ -409,7 +467,8 @@ def main() -> None:
             "",
             f"- date: {datetime.date.today()}",
             f"- machine: {gpu or platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads, autocast {options.dtype}",
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, autocast {options.dtype}, "
+            f"optimizer {options.optimizer}",
             f"- command: `{command.strip()}`",
             *(
                 [

@@ -263,7 +263,7 @@ class Backend:
         """Warn for each routing key, multiplier key or added skip entry that reaches no
         layer of ``model`` (each does nothing); compiling the model calls it."""
         for miss in policy_misses(self.transform, self.skip, model):
-            warnings.warn(miss, CoverageWarning, stacklevel=3)
+            warnings.warn(miss, CoverageWarning, stacklevel=4)
 
     def _rewrite_backward(self, graph: CapturedGraph, gm: torch.fx.GraphModule) -> None:
         with _gc_paused():
