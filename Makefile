@@ -21,7 +21,7 @@ demo: setup
 
 examples: setup
 	$(PY) -m pip install --quiet -e ".[examples]"
-	for example in lstm_clipping resnet_rescale telemetry sinkgd hf_trainer policy_value rollback; do \
+	for example in lstm_clipping resnet_rescale telemetry sinkgd hf_trainer policy_value rollback tensorboard_norms; do \
 		$(PY) examples/$$example.py || exit 1; \
 	done
 
