@@ -166,7 +166,8 @@ class StepCheck:
 
     def _checked_models(self) -> list[nn.Module]:
         owner = self.owner()
-        return [m for m in self.models() if m not in self.watched and _NEWEST.get(m, lambda: None)() is owner]
+        newest = lambda model: _NEWEST.get(model, lambda: owner)()  # noqa: E731  met only in a graph: ours
+        return [m for m in self.models() if m not in self.watched and newest(m) is owner]
 
     def _unheld(self, unheld: frozenset) -> None:
         """Parameters with a gradient that no graph of the backend holds."""
@@ -196,7 +197,7 @@ class StepCheck:
             )
 
     def _bypassed(self, probe: nn.Parameter) -> None:
-        """``probe``'s gradient is new, yet no compiled forward ran since the last step."""
+        """``probe``'s gradient is new, yet no backward through the backend's graphs ran since the last step."""
         for model in self._checked_models():
             if any(p is probe for p in model.parameters()):
                 rows = model_rows(model, "")[0]
