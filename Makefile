@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fxgrad-installed
 
-.PHONY: setup demo examples lint test test-fast bench clean
+.PHONY: setup demo examples lint test test-fast fuzz bench clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,9 @@ test: lint
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not inductor and not slow"
+
+fuzz: setup  # a longer random search of tests/test_fuzz.py; FXGRAD_FUZZ_EXAMPLES=N sets its length
+	FXGRAD_FUZZ=deep $(PY) -m pytest -q tests/test_fuzz.py --hypothesis-show-statistics
 
 bench: setup
 	$(PY) bench/run.py

@@ -86,16 +86,28 @@ def handed_back(model: nn.Module) -> Iterator[None]:
 
 def optimizer_pre_hook(owner: Any, method: Callable[[Any, torch.optim.Optimizer, tuple, dict], None]) -> None:
     """Call ``method(owner, optimizer, args, kwargs)`` before every ``optimizer.step(*args, **kwargs)``
-    while ``owner`` lives; the global hook holds ``owner`` weakly and goes with it."""
-    ref = weakref.ref(owner)
+    while ``owner`` lives (it is held weakly).
 
-    def before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        live = ref()
-        if live is not None:
-            method(live, optimizer, args, kwargs)
+    One global step pre-hook serves every owner, over a copy of the live ones: a
+    hook per owner, removed when the owner is collected, would change torch's hook
+    dict while it runs them whenever a collection falls inside ``optimizer.step()``
+    ("OrderedDict mutated during iteration"; the fuzzer found it).
+    """
+    if not _OWNERS:
+        global _REGISTERED
+        if not _REGISTERED:
+            _REGISTERED = True
+            register_optimizer_step_pre_hook(_before_any_step)
+    _OWNERS[owner] = method
 
-    handle = register_optimizer_step_pre_hook(before_step)
-    weakref.finalize(owner, handle.remove)
+
+_OWNERS: weakref.WeakKeyDictionary[Any, Callable] = weakref.WeakKeyDictionary()
+_REGISTERED = False
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for owner, method in list(_OWNERS.items()):
+        method(owner, optimizer, args, kwargs)
 
 
 @dataclasses.dataclass
