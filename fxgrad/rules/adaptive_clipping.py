@@ -99,7 +99,7 @@ class AutoClip(ScaleLeaf):
         blended = torch.where(count == 0, value, (1 - self.blend) * state["threshold"] + self.blend * value)
         threshold = torch.where(finite, blended, state["threshold"])
         ctx.save(state, history=history, count=count + finite.to(torch.float64), threshold=threshold)
-        coef = norm_math.clip_coefficient_tensor(total, threshold)
+        coef = norm_math.clip_coefficient(total, threshold)
         ctx.emit("autoclip/threshold", threshold)
         _report(ctx, total, coef)
         return [coef] * len(stats)
@@ -169,7 +169,7 @@ class ZClip(ScaleLeaf):
         collected = torch.where((slots == count) & finite, total, state["warmup_norms"])
         first_mean = collected.mean()
         first_var = ((collected - first_mean) ** 2).mean()
-        warm_coef = norm_math.clip_coefficient_tensor(total, torch.full_like(total, cap))
+        warm_coef = norm_math.clip_coefficient(total, torch.full_like(total, cap))
 
         # After warm-up: z-score against the EMA; outliers get the reciprocal threshold.
         std = var.sqrt()

@@ -131,13 +131,9 @@ def group_norm(stats: Sequence[NormStats], p: float) -> torch.Tensor:
     return root(_reduce((s.sums[p] for s in stats), combine), p)
 
 
-def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``min(1, max_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` computes it."""
-    return torch.clamp_max(max_norm / (norm + 1e-6), 1.0)
-
-
-def clip_coefficient_tensor(norm: torch.Tensor, max_norm: torch.Tensor) -> torch.Tensor:
-    """:func:`clip_coefficient` with a threshold computed on the device."""
+def clip_coefficient(norm: torch.Tensor, max_norm: float | torch.Tensor) -> torch.Tensor:
+    """``min(1, max_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` computes it; ``max_norm``
+    may be computed on the device."""
     return torch.clamp_max(max_norm / (norm + 1e-6), 1.0)
 
 
