@@ -182,3 +182,128 @@ def fsdp2(rank: int, world: int, policy: str, wrapper: str | None = None) -> Non
         torch.testing.assert_close(
             p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5 * q.grad.abs().max().item(), msg=name
         )
+
+
+class LlamaBlock(nn.Module):
+    """An embedding, an RMSNorm, a SwiGLU MLP with a residual, and a head: a Llama block's shapes."""
+
+    def __init__(self, vocab: int = 16, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = nn.RMSNorm(dim)
+        self.w1 = nn.Linear(dim, hidden)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        y = self.norm(h)
+        h = h + self.w2(nn.functional.silu(self.w1(y)) * self.w3(y))
+        return self.head(h)
+
+
+def zero_nonfinite(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad.copy_(torch.where(torch.isfinite(p.grad), p.grad, 0.0))
+
+
+def zero_all(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad.zero_()
+
+
+NONFINITE = {  # with a NaN in w2.weight's gradient, on rank 0's shard only
+    "zero_nonfinite": (fxgrad.zero_nonfinite, zero_nonfinite),
+    "skip_nonfinite": (fxgrad.skip_nonfinite, zero_all),
+}
+
+
+@on_each_rank
+def tensor_parallel(rank: int, world: int, dp: int) -> None:
+    """scope="step" on a tensor-parallel Llama block equals one process on the whole batch, for
+    every policy of ``POLICIES``: 1-D TP over all ranks when ``dp == 1``, else FSDP2 x TP on a
+    ``(dp, world // dp)`` mesh (each data-parallel group takes its share of the batch).
+
+    w1 and w3 are column-wise (weights and w1's bias Shard(0)), w2 row-wise (weight Shard(1): its
+    rows are split across ranks; bias a Replicate DTensor); embed, norm and head stay plain
+    tensors, the same on every tensor-parallel rank. Each policy runs two steps: the first
+    through ``backend.step(model)``, the second through ``optimizer.step()`` alone; a
+    ``monitor(check_ranks=True)`` before it finds the ranks' layer norms equal. Then the
+    ``NONFINITE`` policies must see a NaN that only rank 0's shard holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    tokens = torch.randint(0, 16, (BATCH, 6), generator=torch.Generator().manual_seed(1))
+    for policy, (make, reference) in {**POLICIES, **NONFINITE}.items():
+        nan = policy in NONFINITE
+        model = LlamaBlock()
+        whole = copy.deepcopy(model)
+        loss(whole(tokens)).backward()
+        if nan:
+            whole.w2.weight.grad[0, 0] = float("nan")  # on rank 0 in both meshes: dp and tp ranks 0
+        reference(whole)
+        plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+        parallelize_module(model, mesh["tp"], plan)
+        if dp > 1:
+            for layer in model.children():
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+        transform = fxgrad.chain(fxgrad.monitor(check_ranks=True), make())
+        backend = fxgrad.backend(transform, compiler="aot_eager", scope="step")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the gradients stay visible
+        for step in range(2):
+            optimizer.zero_grad()
+            loss(model(half(tokens, mesh.get_local_rank("dp"), dp))).backward()
+            if nan and rank == 0:
+                model.w2.weight.grad.to_local()[0, 0] = float("nan")
+            if step == 0:
+                backend.step(model)
+            optimizer.step()  # applies the policy on the second step only
+            for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                atol = 1e-5 * q.grad.abs().max().item()
+                torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=atol, msg=f"{policy}, step {step}: {name}")
+            assert backend.stats()["rank_mismatch"].item() == 0.0
+    if dp == 1:  # the model compiled with the backend: "auto" is step scope, the backward is left alone
+        model = LlamaBlock()
+        whole = copy.deepcopy(model)
+        loss(whole(tokens)).backward()
+        ref.clip_global(whole, 1e-3)
+        parallelize_module(
+            model, mesh["tp"], {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+        )
+        backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+        loss(torch.compile(model, backend=backend)(tokens)).backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+        for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            atol = 1e-5 * q.grad.abs().max().item()
+            torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=atol, msg=f"compiled: {name}")
+
+
+@on_each_rank
+def ranks_out_of_sync(rank: int, world: int) -> None:
+    """monitor(check_ranks=True) under DDP exact: 0.0 while the ranks' gradients agree, 1.0 on
+    every rank once one rank changes its gradients after DDP's all-reduce."""
+    model, x = model_and_data()
+    policy = fxgrad.chain(fxgrad.monitor(check_ranks=True), fxgrad.clip_by_global_norm(1e-3))
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope="step")
+    ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
+    for desync in (False, True):
+        model.zero_grad()
+        loss(ddp(half(x, rank, world))).backward()
+        if desync and rank == 1:
+            model[3].weight.grad[0, 0] += 1e-3
+        backend.step()
+        assert backend.stats()["rank_mismatch"].item() == float(desync), (desync, backend.stats()["rank_mismatch"])
+    local = fxgrad.backend(fxgrad.monitor(check_ranks=True), compiler="aot_eager", scope="graph")
+    try:
+        loss(local.compile(copy.deepcopy(model))(x)).backward()
+    except Exception as error:  # noqa: BLE001  Dynamo wraps what the backend raises
+        assert "check_ranks compares" in str(error), error
+    else:
+        raise AssertionError("check_ranks in graph scope did not raise")

@@ -1,4 +1,5 @@
-"""DDP (exact and local modes) and FSDP2 with 2 CPU processes over gloo."""
+"""DDP (exact and local modes), FSDP2 and tensor parallelism with 2 CPU processes over gloo
+(FSDP2 x TP with 4)."""
 
 import os
 import tempfile
@@ -11,10 +12,10 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.slow
 
 
-def launch(fn, *args, timeout: float = 240.0) -> None:
-    """Run ``fn(rank, 2, rendezvous_file, *args)`` in 2 processes; a hang fails instead of blocking CI."""
+def launch(fn, *args, timeout: float = 240.0, world: int = 2) -> None:
+    """Run ``fn(rank, world, rendezvous_file, *args)`` in ``world`` processes; a hang fails instead of blocking CI."""
     with tempfile.TemporaryDirectory() as folder:
-        context = mp.spawn(fn, args=(2, os.path.join(folder, "rendezvous"), *args), nprocs=2, join=False)
+        context = mp.spawn(fn, args=(world, os.path.join(folder, "rendezvous"), *args), nprocs=world, join=False)
         deadline = time.monotonic() + timeout
         while not context.join(timeout=5):
             if time.monotonic() > deadline:
@@ -49,3 +50,15 @@ def test_fsdp2_norms_span_the_shards(policy):
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_fsdp2_compiled_model_needs_no_backend_step(wrapper):
     launch(checks.fsdp2, "global_clip", wrapper)
+
+
+def test_tensor_parallel_equals_one_process_on_the_whole_batch():
+    launch(checks.tensor_parallel, 1)
+
+
+def test_fsdp2_by_tensor_parallel_equals_one_process_on_the_whole_batch():
+    launch(checks.tensor_parallel, 2, world=4)  # a (dp=2, tp=2) mesh: ~70 s on 2 cores
+
+
+def test_check_ranks_flags_a_rank_out_of_sync():
+    launch(checks.ranks_out_of_sync)

@@ -93,6 +93,21 @@ def test_step_works_without_compiling():
     assert_grads_close(model, eager)
 
 
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_check_ranks_is_a_no_op_in_one_process(scope):
+    """Without torch.distributed there is no other rank: rank_mismatch is 0.0, and nothing else changes."""
+    model, eager = mlp_and_copy()
+    policy = fxgrad.chain(fxgrad.monitor(check_ranks=True), fxgrad.clip_by_norm(1e-3))
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
+    x = torch.randn(4, 16)
+    models.loss_of(backend.compile(model)(x)).backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    models.loss_of(eager(x)).backward()
+    ref.clip_per_layer(eager, 1e-3)
+    assert_grads_close(model, eager)
+    assert backend.stats()["rank_mismatch"].item() == 0.0
+
+
 def test_step_scope_with_grad_scaler(compile_with):
     model, eager = mlp_and_copy()
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]

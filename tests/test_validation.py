@@ -53,6 +53,7 @@ CASES = [
     (lambda: fxgrad.monitor(ema=0), ValueError, "ema"),
     (lambda: fxgrad.monitor(spike_z=math.nan), ValueError, "spike_z"),
     (lambda: fxgrad.monitor(weights="yes"), TypeError, "weights"),
+    (lambda: fxgrad.monitor(check_ranks=1), TypeError, "check_ranks"),
     (lambda: fxgrad.backend(fxgrad.clip_by_norm(1.0), scaler=object()), TypeError, "scaler"),
     (lambda: fxgrad.normalize("l1"), ValueError, "norm"),
     (lambda: fxgrad.normalize(scale=0), ValueError, "scale"),

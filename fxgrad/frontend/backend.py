@@ -270,7 +270,15 @@ class Backend:
             self._rewrite(graph, gm)
 
     def _rewrite(self, graph: CapturedGraph, gm: torch.fx.GraphModule) -> None:
-        outputs = passes.gradient_outputs(gm, graph.num_inputs)
+        try:
+            outputs = passes.gradient_outputs(gm, graph.num_inputs)
+        except passes.GraphMismatchError:
+            # DTensor parameters (tensor parallelism): the backward returns their inner tensors.
+            # Step scope never touches the backward; graph scope cannot place the gradients.
+            if self.transform is None or self.current_scope() != "step":
+                raise
+            self._step.arm()
+            return
         has_grad = {i for i, node in enumerate(outputs) if node is not None}
         plan = plan_graph(self.transform, graph, has_grad, self.registry.forward_order(), self.skip)
         graph.layers = list(plan.layers)

@@ -61,10 +61,12 @@ def record_policy(
     params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
     frame: int = 0,
     fold: bool = False,
+    per_step: bool = False,
 ) -> dict[str, list[torch.fx.Node]]:
     """Record ``routes`` over the gradient nodes ``grads`` (layer -> its gradients' nodes)
     before ``gm``'s output; the nodes holding each layer's new gradients, in the same order.
-    Recorded nodes whose values neither these nor a side effect use are left out."""
+    Recorded nodes whose values neither these nor a side effect use are left out.
+    ``per_step``: the step program (step scope), not a backward graph."""
     values = [node.meta["val"] for nodes in grads.values() for node in nodes]
     recorder = GraphRecorder(gm, _compat.detect_fake_mode(values), _compat.inductor_decompositions())
     tensors = {name: [recorder.bind(node) for node in nodes] for name, nodes in grads.items()}
@@ -79,6 +81,7 @@ def record_policy(
             frame,
             set_label=lambda label: setattr(recorder, "label", label),
             fold=fold,
+            per_step=per_step,
         )
     results = {name: [recorder.node(tensor) for tensor in new] for name, new in tensors.items()}
     recorder.eliminate_dead_code(node for nodes in results.values() for node in nodes)

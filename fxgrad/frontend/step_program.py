@@ -106,7 +106,7 @@ class StepPrograms:
     ) -> Callable[..., Any]:
         gm, inputs = _gradient_graph(owners)
         lookup = lambda names: [self._weights[name] for name in names]  # noqa: E731
-        new = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold)
+        new = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold, per_step=True)
         output = gm.graph.output_node()
         with gm.graph.inserting_before(output):
             for layer, nodes in inputs.items():

@@ -15,8 +15,8 @@ optimizer step instead::
 
 The same plain-torch rules run as one compiled program over the gradients
 (:mod:`fxgrad.frontend.step_program`), state and statistics included; nothing
-syncs with the host. FSDP2's DTensor gradients run the rules eagerly: norms
-are reduced over the shards (DTensor all-reduces the partial sums).
+syncs with the host. DTensor gradients (FSDP2, tensor parallelism) run the rules
+eagerly: norms are reduced over the shards (DTensor all-reduces the partial sums).
 
 ``backend.step()`` is optional when a ``torch.optim`` optimizer steps the
 model: :class:`StepScope` hooks ``optimizer.step()`` and runs the policy there
@@ -95,7 +95,8 @@ def apply_to_grads(
     by_name = {o.param: o.tensor for o in with_grad}
     with torch.no_grad():
         device = with_grad[0].tensor.grad.device
-        run_policy(routes, grads, store, device, scaler, lambda names: [by_name[n] for n in names], fold=fold)
+        lookup = lambda names: [by_name[n] for n in names]  # noqa: E731
+        run_policy(routes, grads, store, device, scaler, lookup, fold=fold, per_step=True)
         for layer, ps in params.items():
             for param, grad in zip(ps, grads[layer]):
                 if grad is not param.grad:

@@ -20,7 +20,7 @@ from fxgrad.core.layers import Layer
 from fxgrad.core.rule import LayerGrads, Leaf, ScaleLeaf, field, rule
 from fxgrad.runtime import norm_math
 from fxgrad.runtime.context import RouteContext
-from fxgrad.runtime.norm_math import Factor, NormStats, cast, l2, widen
+from fxgrad.runtime.norm_math import Factor, NormStats, cast, l2, like, widen
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -178,6 +178,6 @@ class AdaptiveGradClip(Leaf):
             norm = l2(g, dim=tuple(range(1, g.dim())), keepdim=True)
         if inverse is not None:
             norm = norm * inverse.to(norm.dtype)
-        bound = weight_norm.to(norm.dtype).clamp_min(self.eps) * clipping
+        bound = like(g, weight_norm.to(norm.dtype).clamp_min(self.eps) * clipping)
         clipped = g * (bound / norm.clamp_min(1e-6))
         return cast(torch.where(norm < bound, g, clipped), grad.dtype)

@@ -36,7 +36,13 @@ class Monitor(ScaleLeaf):
       against the statistics before this step, once the layer has ``warmup``
       steps of history;
     * ``weight_norm/<layer>`` with ``weights=True``: the parameters' L2 norm,
-      for spotting norm drift between layers (read on the device).
+      for spotting norm drift between layers (read on the device);
+    * ``rank_mismatch`` with ``check_ranks=True``: 1.0 when the ranks of a
+      ``torch.distributed`` job disagree on these norms (a checksum of them
+      differs beyond a relative 1e-6), which the exact modes (step scope) rule
+      out: a rank whose gradients went out of sync. One all-reduce of 2 values
+      per step; 0.0 in a single process; ``scope="graph"`` in a multi-process
+      job raises ``ValueError`` (each rank sees its own gradient there).
 
     With a GradScaler, the norms are unscaled. A step with any non-finite norm
     (an overflow step, which a GradScaler skips) is reported but leaves every
@@ -45,6 +51,8 @@ class Monitor(ScaleLeaf):
         >>> import fxgrad
         >>> fxgrad.monitor(ema=0.99, weights=True)
         monitor(ema=0.99, spike_z=3.0, warmup=10, weights=True)
+        >>> fxgrad.monitor(check_ranks=True)  # backend.stats()["rank_mismatch"]
+        monitor(ema=0.9, spike_z=3.0, warmup=10, check_ranks=True)
     """
 
     name = "monitor"
@@ -55,10 +63,12 @@ class Monitor(ScaleLeaf):
     spike_z: float = 3.0
     warmup: int = field(10, kw_only=True)
     weights: bool = field(False, kw_only=True, shown=lambda rule: rule.weights)
+    check_ranks: bool = field(False, kw_only=True, shown=lambda rule: rule.check_ranks)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.weights, bool):
-            raise TypeError(f"weights must be a bool, got {self.weights!r}")
+        for name in ("weights", "check_ranks"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.set(
             ema=validate.fraction("ema", self.ema),
             spike_z=validate.positive("spike_z", self.spike_z, allow_inf=False),
@@ -84,5 +94,8 @@ class Monitor(ScaleLeaf):
         ctx.emit_per_layer("spike", spike.to(torch.float64))
         if self.weights:
             ctx.emit_per_layer("weight_norm", ctx.weight_norms())
+        if self.check_ranks:  # weighted by position: two layers' norms swapped also differ
+            position = torch.arange(1, len(stats) + 1, dtype=norm.dtype, device=norm.device)
+            ctx.emit("rank_mismatch", ctx.ranks_differ((norm * position).sum()))
         ctx.after_policy(lambda final: ctx.emit_per_layer("grad_norm_clipped", flat(s.norm(2.0) for s in final)))
         return [1.0] * len(stats)

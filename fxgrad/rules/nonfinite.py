@@ -20,6 +20,7 @@ from fxgrad.core import validate
 from fxgrad.core.layers import Layer
 from fxgrad.core.rule import LayerGrads, Leaf, field, rule
 from fxgrad.runtime.context import RouteContext
+from fxgrad.runtime.norm_math import like, replicated
 from fxgrad.runtime.state import flat
 
 
@@ -44,7 +45,7 @@ class ZeroNonfinite(Leaf):
         counts, out = [], []
         for group in grads:
             bad = [~torch.isfinite(g) for g in group]
-            counts.append(sum(b.sum() for b in bad))
+            counts.append(replicated(sum(b.sum() for b in bad)))  # DTensor: counted over the shards
             out.append([g.masked_fill(b, 0) for g, b in zip(group, bad)])
         per_layer = flat(counts)
         ctx.emit_per_layer("nonfinite", per_layer)
@@ -106,7 +107,7 @@ class SkipNonfinite(Leaf):
             )
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
-        finite = [torch.isfinite(g.abs().amax()) for group in grads for g in group]
+        finite = [torch.isfinite(replicated(g.abs().amax())) for group in grads for g in group]
         bad = ~functools.reduce(torch.logical_and, finite)
         if self.backoff is None:
             state = ctx.state(shared={"steps": ((), 0.0)})
@@ -126,7 +127,7 @@ class SkipNonfinite(Leaf):
             ctx.emit("threshold_scale", scale)
         ctx.emit("nonfinite_step", bad.to(torch.float64))
         ctx.emit("nonfinite_steps", steps)
-        return [[g.masked_fill(bad, 0) for g in group] for group in grads]
+        return [[g.masked_fill(like(g, bad), 0) for g in group] for group in grads]
 
 
 def step_if_finite(optimizer: Any, backend: Any) -> bool:

@@ -18,6 +18,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from fxgrad import _compat
 from fxgrad.core.layers import Layer
@@ -45,11 +46,13 @@ class GraphContext:
         params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
         frame: int = 0,
         fold: bool = False,
+        per_step: bool = False,
     ) -> None:
         self.store, self.device = store, device
         self.params = params
         self.frame = frame
         self.fold = fold  # leave the global factor to the optimizer: see Executor
+        self.per_step = per_step  # step scope: the gradients are every .grad, after any data-parallel reduction
         self._stats: dict[str, tuple[str, str] | None] = {}  # key -> (statistic, layer) if per layer
         self._stat_order: list[tuple[list[str], torch.Tensor]] = []
         self.scale: torch.Tensor | None = None
@@ -85,6 +88,20 @@ class GraphContext:
         per_layer = {key: found for key, found in self._stats.items() if found is not None}
         group = self.store.stats_group(keys, self.device, per_layer)
         torch.ops.fxgrad.save_state(group.name, flat(value for _, value in self._stat_order))
+
+
+@torch.library.custom_op("fxgrad::rank_extremes", mutates_args=())
+def rank_extremes(value: torch.Tensor) -> torch.Tensor:
+    """``[max, -min]`` of the 0-dim ``value`` over the ranks of the default process group:
+    one all-reduce (MAX) of 2 values, on the device."""
+    both = torch.stack([value, -value])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return both
+
+
+@rank_extremes.register_fake
+def _rank_extremes_fake(value: torch.Tensor) -> torch.Tensor:
+    return value.new_empty(2)
 
 
 def _read_scale(scaler: Any) -> torch.Tensor:
@@ -181,6 +198,26 @@ class RouteContext:
         keys = [f"{name}/{layer}" for layer in layers]
         self.graph.emit(keys, values, self.index, [(name, layer) for layer in layers])
 
+    def ranks_differ(self, checksum: torch.Tensor) -> torch.Tensor:
+        """1.0 (float64, 0-dim) when the 0-dim ``checksum`` is not the same on every rank, beyond a
+        relative 1e-6 (a non-finite value counts as one value); 0.0 in a single process.
+
+        In a multi-process job it costs one all-reduce of 2 values (:func:`rank_extremes`), on
+        the device, and needs step scope: in graph scope each rank sees its own gradient, so
+        the ranks differ by design (``ValueError``).
+        """
+        if _compat.data_parallel_world_size() == 1:
+            return torch.zeros((), dtype=torch.float64, device=checksum.device)
+        if not self.graph.per_step:
+            raise ValueError(
+                "check_ranks compares the gradients every rank applies, after the data-parallel "
+                "reduction; scope='graph' transforms each rank's own gradient: use scope='step' or 'auto'"
+            )
+        value = checksum.to(torch.float64)
+        both = torch.ops.fxgrad.rank_extremes(torch.where(torch.isfinite(value), value, -1.0))
+        high, low = both[0], -both[1]
+        return ((high - low) > 1e-6 * torch.maximum(high.abs(), low.abs())).to(torch.float64)
+
     def after_policy(self, callback: Callable[[list], None]) -> None:
         """Call ``callback(stats)`` with the L2 :class:`~fxgrad.norms.NormStats` of this
         route's layers once the whole policy has run (for "after" telemetry)."""
@@ -211,8 +248,8 @@ class RouteContext:
         params = self._params()
         shapes = [[_row_shape(p) for p in layer_params] for layer_params in params()]
 
-        def read() -> torch.Tensor:
-            return torch.cat([_row_norms(p).reshape(-1) for layer_params in params() for p in layer_params])
+        def read() -> torch.Tensor:  # DTensor weights: every row's whole norm, on every rank
+            return torch.cat([replicated(_row_norms(p)).reshape(-1) for layer_params in params() for p in layer_params])
 
         return _split(self._external("weight row norms", read, _numel(shapes)), shapes)
 

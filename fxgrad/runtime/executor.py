@@ -45,6 +45,7 @@ def run_policy(
     frame: int = 0,
     set_label: Callable[[str], None] = lambda label: None,
     fold: bool = False,
+    per_step: bool = False,
 ) -> None:
     """Apply ``routes`` to ``grads`` (layer name -> its gradients, replaced in place).
 
@@ -53,10 +54,11 @@ def run_policy(
     rules that read weights); ``frame`` numbers the compiled frame (see
     :class:`~fxgrad.runtime.context.GraphContext`); ``set_label`` names the
     ops that follow (graph scope tags the recorded nodes with it); ``fold``
-    leaves the global factor to the optimizer (see the module docstring).
+    leaves the global factor to the optimizer (see the module docstring);
+    ``per_step``: the gradients are the step's whole ``.grad`` (step scope).
     """
     set_label("loss scale")
-    graph = GraphContext(store, device, scaler, params, frame, fold)
+    graph = GraphContext(store, device, scaler, params, frame, fold, per_step)
     executor = Executor(grads, graph, set_label)
     executor.run(routes)
     set_label("statistics")
