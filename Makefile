@@ -29,8 +29,8 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: lint
-	$(PY) -m pytest -q
+test: lint  # two workers: most of a test's time is single-threaded compiling
+	$(PY) -m pytest -q -n 2
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not inductor and not slow"
