@@ -265,8 +265,9 @@ def model_being_compiled() -> Any:
     another bound method or a function (docs/design.md, fact 14).
     """
     frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is torch.compile.__code__:
+    while frame is not None:  # torch's own function, by its file: Lightning's Trainer wraps torch.compile
+        code = frame.f_code
+        if code.co_name == "compile" and code.co_filename == torch.__file__:
             return frame.f_locals.get("model")
         frame = frame.f_back
     return None

@@ -235,3 +235,13 @@ def test_plain_inductor_loop_is_exact_and_silent():
     sum(out.sum() for out in expected(x)).backward()
     ref.clip_per_layer(expected, 1e-3)
     assert_grads_close(model, expected, rtol=1e-5)
+
+
+def test_the_model_is_found_when_torch_compile_is_wrapped(monkeypatch):
+    """Lightning's ``Trainer.fit`` replaces ``torch.compile`` with a wrapper of its own."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: real(*args, **kwargs))
+    model = sequential()
+    model.compile(backend=fxgrad.backend(fxgrad.clip_by_norm(0.01), compiler="aot_eager"))
+    with pytest.warns(fxgrad.CoverageWarning, match="no graph of Sequential"):
+        train(model, model)
