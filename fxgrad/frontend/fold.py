@@ -19,6 +19,11 @@ multiplied gradient back to ``.grad``); ``backend.stats()["folded_factor"]``
 is the factor and :meth:`fxgrad.Backend.scaled_grads` the gradients with it,
 with no sync. Every other combination runs the policy as before, after one
 warning that says why (docs/performance.md, "The optimizer fold").
+
+:func:`cancelled` is the other side of the same question, what the update does
+to the policy's factors: an Adam-type update divides out a factor that is the
+same for a layer on every step (docs/transforms.md, "Under which optimizers a
+rule acts").
 """
 
 from __future__ import annotations
