@@ -150,6 +150,9 @@ class Backend:
                 "forward alone: compile the model itself, torch.compile(model, backend=backend), so fxgrad "
                 "knows its names."
             )
+        # Backward passes are counted for the optimizer.step() check of models compile() does not
+        # watch per forward (the plain torch.compile path), not on every call of every graph.
+        count_backwards = self._step_check is not None and self._step_check.unwatched(graph)
         if self._step_check is not None:
             self._step_check.arm()
         rewrite = functools.partial(self._rewrite_backward, graph)
@@ -166,7 +169,7 @@ class Backend:
             if graph.params and args[graph.params[0].index] is not graph.params[0].tensor():
                 self._rebind(graph, args)
             outputs = compiled(*args)
-            if self._step_check is not None and torch.is_grad_enabled():
+            if count_backwards and torch.is_grad_enabled():
                 for node in {t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
                     node.register_prehook(self._backward_ran)
             return outputs

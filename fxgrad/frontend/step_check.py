@@ -147,29 +147,41 @@ class StepCheck:
         self.backwards, self.in_graph, self.before_update = backwards, in_graph, before_update
         self._seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Seen] = weakref.WeakKeyDictionary()
         self._armed = False
+        self._counting = False  # are backwards counted for some graph? (see unwatched)
 
     def arm(self) -> None:
         if not self._armed:
             self._armed = True
             optimizer_pre_hook(self, StepCheck.before_optimizer_step)
 
+    def unwatched(self, graph: Any) -> bool:
+        """Whether ``graph`` (a :class:`~fxgrad.passes.capture.CapturedGraph`) holds parameters of a
+        model that ``backend.compile`` does not watch per forward: its backwards need counting."""
+        found = any(self.registry.roots[key].module() not in self.watched for key in graph.roots())
+        self._counting = self._counting or found
+        return found
+
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self.in_graph():
             return
-        stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not stepped:
-            return
         held = self.registry.held()
-        if any(id(p) in held for p in stepped):
+        probe, unheld = None, []  # the first held parameter with a gradient; the others' ids
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if id(p) not in held:
+                    unheld.append(id(p))
+                elif probe is None:
+                    probe = p
+        if probe is not None:
             self.before_update(optimizer, args, kwargs)
         seen = self._seen.setdefault(optimizer, _Seen())
-        unheld = frozenset(id(p) for p in stepped if id(p) not in held)
-        if unheld and unheld != seen.unheld:
-            seen.unheld = unheld
-            self._unheld(unheld)
-        probe = next((p for p in stepped if id(p) in held), None)
+        if unheld and frozenset(unheld) != seen.unheld:
+            seen.unheld = frozenset(unheld)
+            self._unheld(seen.unheld)
         backwards = self.backwards()
-        if probe is not None:
+        if probe is not None and self._counting:
             version = _compat.tensor_version(probe.grad)
             if (seen.grad() is not probe.grad or seen.version != version) and backwards == seen.backwards:
                 self._bypassed(probe)
@@ -184,6 +196,7 @@ class StepCheck:
     def _unheld(self, unheld: frozenset) -> None:
         """Parameters with a gradient that no graph of the backend holds."""
         reported = {layer.name for graph in self.registry.graphs for gap in graph.gaps for layer, _ in gap.layers}
+        held = self.registry.held()
         for model in self._checked_models():
             prefix = self.registry.prefix(model)
             layers = build_layers(model_rows(model, prefix)[0], self.registry.forward_order(), self.coverage.skip)
@@ -197,7 +210,7 @@ class StepCheck:
             ]
             if not left_out:
                 continue
-            if not any(pid in self.registry.held() for pid in owners):
+            if not any(pid in held for pid in owners):
                 self.coverage.ran_eagerly(model, True, self._hint(model))
                 continue
             names = ", ".join(dict.fromkeys(layer.name for layer in left_out))
