@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from unittest import mock
 
 import models
@@ -97,6 +98,14 @@ def check_parity(model_name, transform, reference, compiler="aot_eager", rtol=1e
     reference(expected)
     assert_grads_close(model, expected, rtol, untouched=untouched)
     return backend
+
+
+@contextlib.contextmanager
+def coverage_silent():
+    """Fail on any fxgrad coverage warning inside the block."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        yield
 
 
 @contextlib.contextmanager

@@ -1,15 +1,13 @@
 """No silent no-ops: graph breaks, uncaptured modules, frozen layers."""
 
-import contextlib
 import copy
-import warnings
 
 import models
 import pytest
 import reference as ref
 import torch
 import torch.nn as nn
-from parity import assert_grads_close, eager_grads
+from parity import assert_grads_close, coverage_silent, eager_grads
 
 import fxgrad
 from fxgrad import _compat
@@ -45,14 +43,6 @@ class EagerMiddle(nn.Module):
     @torch.compiler.disable
     def middle(self, h):
         return self.fc2(h)
-
-
-@contextlib.contextmanager
-def coverage_silent():
-    """Fail on any fxgrad coverage warning inside the block."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", fxgrad.CoverageWarning)
-        yield
 
 
 def run(compile_with, model, transform, **backend_kwargs):

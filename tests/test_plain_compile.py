@@ -8,25 +8,17 @@ policy nothing to act on, fxgrad says so at the latest at ``optimizer.step()``.
 import contextlib
 import copy
 import socket
-import warnings
 
 import pytest
 import reference as ref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from parity import assert_grads_close
+from parity import assert_grads_close, coverage_silent
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxgrad
 from fxgrad import _compat
-
-
-@contextlib.contextmanager
-def coverage_silent():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", fxgrad.CoverageWarning)
-        yield
 
 
 @contextlib.contextmanager
