@@ -10,6 +10,7 @@ graph, or nowhere.
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Sequence
 
 from fxgrad.core.layers import Layer, ParamRow, SkipEntry, build_layers, model_rows
@@ -56,7 +57,7 @@ class GraphRegistry:
         self.roots: dict[int, Root] = {}
         self._forward_order: list[str] = []  # layer names, first use first
         self._frames: dict[int | None, int] = {}  # Dynamo frame id -> its number here, first compiled first
-        self._held: set[int] | None = None  # id() of the parameters the graphs hold, until one changes
+        self._held: dict[int, weakref.ref] | None = None  # id() -> the parameter, until a graph changes
 
     def add(self, graph: CapturedGraph) -> None:
         # Dynamo discards the graphs of an analysis it restarted (same compile id), and
@@ -69,11 +70,15 @@ class GraphRegistry:
         self._forward_order = merged_order(self._forward_order, dict.fromkeys(p.layer for p in graph.params))
         self._held = None
 
-    def held(self) -> set[int]:
-        """``id()`` of every parameter the graphs hold (call :meth:`rebound` when one rebinds)."""
+    def holds(self, tensor: object) -> bool:
+        """Whether a graph holds ``tensor`` (call :meth:`rebound` when one rebinds).
+
+        By identity, not by ``id()`` alone: a freed parameter's id can come back as
+        another model's parameter, and Dynamo keeps old graphs alive."""
         if self._held is None:
-            self._held = {id(p.tensor()) for graph in self.graphs for p in graph.params}
-        return self._held
+            self._held = {id(p.tensor()): p.tensor for graph in self.graphs for p in graph.params}
+        ref = self._held.get(id(tensor))
+        return ref is not None and ref() is tensor
 
     def rebound(self) -> None:
         """A graph now runs with other parameters (:meth:`CapturedGraph.rebind`)."""

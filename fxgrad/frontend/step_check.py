@@ -164,13 +164,12 @@ class StepCheck:
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self.in_graph():
             return
-        held = self.registry.held()
         probe, unheld = None, []  # the first held parameter with a gradient; the others' ids
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if id(p) not in held:
+                if not self.registry.holds(p):
                     unheld.append(id(p))
                 elif probe is None:
                     probe = p
@@ -196,7 +195,6 @@ class StepCheck:
     def _unheld(self, unheld: frozenset) -> None:
         """Parameters with a gradient that no graph of the backend holds."""
         reported = {layer.name for graph in self.registry.graphs for gap in graph.gaps for layer, _ in gap.layers}
-        held = self.registry.held()
         for model in self._checked_models():
             prefix = self.registry.prefix(model)
             layers = build_layers(model_rows(model, prefix)[0], self.registry.forward_order(), self.coverage.skip)
@@ -210,7 +208,7 @@ class StepCheck:
             ]
             if not left_out:
                 continue
-            if not any(pid in held for pid in owners):
+            if not any(self.registry.holds(owner.tensor) for owner in owners.values()):
                 self.coverage.ran_eagerly(model, True, self._hint(model))
                 continue
             names = ", ".join(dict.fromkeys(layer.name for layer in left_out))
