@@ -4,11 +4,11 @@
 give fxgrad no hook around the model's forward, and Dynamo may never call the
 backend at all (an ``nn.LSTM`` without ``allow_rnn``, ``Module.compile`` or
 ``torch.compile(DDP(model))`` of an ``nn.Sequential``). Every training loop
-passes through ``optimizer.step()``, though: one global step pre-hook per
-backend, held weakly, looks at the parameters the optimizer steps, with no
-host sync. For each model the backend was handed (learnt from the
-``torch.compile`` call, see :meth:`fxgrad.Backend.get_compiler_config`) or met
-in a graph, it reports once:
+passes through ``optimizer.step()``, though: one global step pre-hook serves
+every backend (each held weakly) and looks at the parameters the optimizer
+steps, with no host sync. For each model the backend was handed (learnt from
+the ``torch.compile`` call, see :attr:`fxgrad.Backend.__name__`) or met in a
+graph, it reports once:
 
 * layers the policy targets whose parameters have a gradient that no graph of
   the backend produced: they ran eagerly (this includes "no graph reached the
