@@ -149,3 +149,28 @@ def test_weights_are_read_from_the_parameters_of_each_step(builds):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8)
         model.zero_grad(set_to_none=True)
     assert builds[0] == 1
+
+
+def test_parameter_walk_follows_every_change_to_a_model():
+    """Step scope keeps the walk over a model's parameters between steps; each way a model can
+    change its parameters makes it walk again."""
+    from fxgrad.core.layers import ModelParameters
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    walk = ModelParameters()
+    first = walk([model])
+    assert first == tuple(model.parameters()) and walk([model]) is first
+
+    def changes():
+        yield lambda: setattr(model[0], "extra", nn.Parameter(torch.ones(1)))  # a new parameter
+        yield lambda: model[1].append(nn.Linear(2, 2))  # a new submodule
+        yield lambda: setattr(model, "1", nn.Linear(2, 2))  # a replaced submodule
+        yield lambda: delattr(model[0], "extra")  # a deleted parameter
+        yield lambda: model[0]._parameters.__setitem__("bias", nn.Parameter(torch.ones(2)))  # replaced directly
+        yield lambda: delattr(model, "1")  # a deleted submodule
+
+    for change in changes():
+        before = walk([model])
+        change()
+        after = walk([model])
+        assert after is not before and after == tuple(model.parameters())

@@ -41,22 +41,22 @@ class StepPrograms:
         self._broken: str | None = None  # why building failed; then every step runs eagerly
         self._weights: dict[str, torch.Tensor] = {}  # while a program runs: its parameters, by name
         self._routes: tuple[tuple, Any] | None = None  # the last step's key and routes
+        self._routings: dict[tuple, int] = {}  # routes and parameter names -> a small int, for program keys
+        self._last_routing: tuple[Any, int] = (None, -1)  # the last routes seen, and their int
 
     def routes(
         self,
         models: Sequence[tuple[nn.Module, str]],
         order: Sequence[str],
         compute: Callable[[], Any],
-        params: Sequence[nn.Parameter] | None = None,
+        params: Sequence[nn.Parameter],
     ) -> Any:
         """``compute()`` (the parameters with a gradient and the routes over their layers), or the
-        last step's result when the same parameters (``params``: the models', if known) have a
-        gradient and the forward order is the same.
+        last step's result when the same ``params`` (the models') have a gradient and the forward
+        order is the same.
 
         Routing walks every module and matches every layer against the skip list: too slow to
         repeat on every step of a launch-bound model."""
-        if params is None:
-            params = [p for model, _ in models for p in model.parameters()]
         with_grad = tuple(id(p) for p in params if p.grad is not None)
         key = (tuple((id(model), prefix) for model, prefix in models), with_grad, tuple(order))
         if self._routes is None or self._routes[0] != key:
@@ -78,7 +78,7 @@ class StepPrograms:
         grads = [o.tensor.grad for o in owners]
         if self._broken is not None or any(type(g) is not torch.Tensor for g in grads):  # DTensor: eager
             return False
-        key = _layout(routes, owners, scaler is not None), fold
+        key = self._routing(routes, owners), _layout(grads), scaler is not None, fold
         self._weights = {o.param: o.tensor for o in owners}  # what weight-reading rules read, this step
         try:
             program = self._programs.get(key)
@@ -100,6 +100,16 @@ class StepPrograms:
         finally:
             self._weights = {}
         return True
+
+    def _routing(self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner]) -> int:
+        """The program key's part for ``routes`` over ``owners``' parameter names (not the
+        parameters themselves: weights are read by name at run time, so replaced ones are
+        followed). Hashing routes takes longer than a small program runs, so the last step's
+        routes object, reused while the same parameters have gradients, keeps its number."""
+        if self._last_routing[0] is not routes:
+            content = tuple(routes), tuple(o.param for o in owners)
+            self._last_routing = routes, self._routings.setdefault(content, len(self._routings))
+        return self._last_routing[1]
 
     def _build(
         self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore, scaler: Any, fold: bool
@@ -133,11 +143,6 @@ def _gradient_graph(owners: Sequence[Owner]) -> tuple[torch.fx.GraphModule, dict
     return torch.fx.GraphModule(nn.Module(), graph), inputs
 
 
-def _layout(routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], scaled: bool) -> tuple:
-    """What a program depends on: the routes, and each gradient's parameter name and layout (not
-    the parameter itself: weights are read by name at run time, so replaced ones are followed)."""
-    grads = tuple(
-        (o.param, tuple(o.tensor.grad.shape), o.tensor.grad.stride(), o.tensor.grad.dtype, o.tensor.grad.device)
-        for o in owners
-    )
-    return tuple(routes), grads, scaled
+def _layout(grads: Sequence[torch.Tensor]) -> tuple:
+    """What a program depends on of the gradients themselves."""
+    return tuple((g.shape, g.stride(), g.dtype, g.device) for g in grads)

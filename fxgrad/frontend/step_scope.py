@@ -28,13 +28,14 @@ transformed gradients before the optimizer does.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
 
 from fxgrad import _compat
 from fxgrad.core.layers import (
+    ModelParameters,
     Owner,
     ParamRow,
     SkipEntry,
@@ -85,6 +86,7 @@ def apply_to_grads(
         with_grad, routes = step_routes(transform, models, skip, order)
     else:
         compute = lambda: step_routes(transform, models, skip, order)  # noqa: E731
+        params = [p for model, _ in models for p in model.parameters()] if params is None else params
         with_grad, routes = programs.routes(models, order, compute, params)
     if not with_grad or (programs is not None and programs.run(routes, with_grad, store, scaler, fold)):
         return
@@ -127,6 +129,8 @@ class StepScope:
         self.models, self.run, self.scaler, self.after = models, run, scaler, after
         self._seen: dict[int, tuple[weakref.ref, int]] = {}
         self._armed = False
+        self._walk = ModelParameters()
+        self._ids: tuple[tuple, frozenset] = ((), frozenset())  # the last walk, and its parameters' ids
 
     def arm(self) -> None:
         """Hook ``optimizer.step()`` (once; removed when this object dies)."""
@@ -137,7 +141,7 @@ class StepScope:
     def apply(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list[nn.Parameter] | None = None) -> None:
         """Run the policy on ``models``' gradients (``params``: their parameters, if known),
         unless it already ran on them."""
-        params = list(_parameters(models)) if params is None else params
+        params = self.parameters(models) if params is None else params
         if not self._changed(params):
             return
         self.run(models, scaler, params)
@@ -147,14 +151,20 @@ class StepScope:
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         models = self.models()
-        params = list(_parameters(models))
-        ours = {id(p) for p in params}
+        params = self.parameters(models)
+        if self._ids[0] is not params:
+            self._ids = params, frozenset(map(id, params))
+        ours = self._ids[1]
         steps_ours = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
         if not steps_ours:
             return
         unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
         self.apply(models, None if unscaled else self.scaler, params)
         self.after(optimizer, args, kwargs)
+
+    def parameters(self, models: list[tuple[nn.Module, str]]) -> tuple[nn.Parameter, ...]:
+        """``models``' parameters, each once (walked again only when a model changed)."""
+        return self._walk([model for model, _ in models])
 
     def _changed(self, params: Iterable[nn.Parameter]) -> bool:
         for p in params:
@@ -164,12 +174,3 @@ class StepScope:
             if ref is None or ref() is not p.grad or version != _compat.tensor_version(p.grad):
                 return True
         return False
-
-
-def _parameters(models: list[tuple[nn.Module, str]]) -> Iterator[nn.Parameter]:
-    seen = set()
-    for model, _ in models:
-        for p in model.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                yield p
