@@ -94,6 +94,10 @@ class Leaf(Transform):
       optimizer's update: ``"global"`` (one factor for every gradient: a fused
       optimizer's ``grad_scale`` takes it), ``"identity"`` (it changes no
       gradient), ``None`` (not yet: the gradients are scaled in a pass).
+    * ``apply_to``: ``"grad"``, or ``"update"`` when the leaf's factors multiply the
+      optimizer's update instead of the gradient (a per-layer learning-rate scale, see
+      :mod:`fxgrad.frontend.update_factors`). Scale rules that offer both declare it
+      as a field with :func:`apply_to_field`.
     """
 
     reach: ClassVar[Reach] = "layer"
@@ -101,6 +105,7 @@ class Leaf(Transform):
     hides_nonfinite: ClassVar[bool] = False
     backs_off: ClassVar[bool] = False
     folds: ClassVar[Literal["global", "identity"] | None] = None
+    apply_to: ClassVar[Literal["grad", "update"]] = "grad"
     name: ClassVar[str] = "leaf"
 
     def fixed_factors(self) -> bool:
@@ -219,6 +224,17 @@ def rule(cls: L) -> L:
     cls = dataclasses.dataclass(frozen=True, repr=False)(cls)
     RULES[cls.name] = cls
     return cls
+
+
+def apply_to_field() -> Any:
+    """The ``apply_to`` field of a scale rule that can act on the optimizer's update:
+    ``"grad"`` (the default: the factor multiplies the gradient) or ``"update"`` (it
+    multiplies what ``optimizer.step()`` changes in the layer's weights). Its
+    ``__post_init__`` checks the value with ``validate.choice("apply_to", ...)``."""
+    return field("grad", kw_only=True, shown=lambda rule: rule.apply_to != "grad")
+
+
+APPLY_TO = ("grad", "update")
 
 
 def field(

@@ -70,6 +70,13 @@ def step(name: str, value: Any) -> int:
     return int(value)
 
 
+def choice(name: str, value: Any, options: tuple[str, ...]) -> str:
+    """One of ``options`` (strings)."""
+    if not isinstance(value, str) or value not in options:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
+    return value
+
+
 def fraction(name: str, value: Any) -> float:
     """A number strictly between 0 and 1 (an EMA decay)."""
     result = real_number(name, value)

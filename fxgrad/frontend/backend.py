@@ -39,6 +39,7 @@ from fxgrad.frontend.rewrite import rewrite_backward
 from fxgrad.frontend.step_check import StepCheck, hand_over
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import StepScope, apply_to_grads
+from fxgrad.frontend.update_factors import UpdateFactors
 from fxgrad.frontend.watch import ForwardWatch, track_wrapper
 from fxgrad.passes.capture import CapturedGraph, Root, capture
 from fxgrad.passes.graphtext import normalize_code, render_inserted
@@ -115,6 +116,8 @@ class Backend:
             self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update)
             if scope == "step":
                 self._step.arm()
+        on_update = any(leaf.apply_to == "update" for leaf in leaves)
+        self._update_factors = UpdateFactors(self.store, self._step_models) if on_update else None
 
     def current_scope(self) -> str:
         """``"graph"`` or ``"step"``: what ``scope="auto"`` resolves to in this process."""
@@ -379,12 +382,15 @@ class Backend:
 
     def _before_update(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Before the step of an optimizer of this backend's models, once the policy ran: warn if
-        the update cancels the policy, and give a folded optimizer the factor the policy left."""
+        the update cancels the policy, keep the weights that update-level factors scale the change
+        of, and give a folded optimizer the factor the policy left."""
         if optimizer not in self._cancel_checked:
             self._cancel_checked.add(optimizer)
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
                 warnings.warn(why, CoverageWarning, stacklevel=4)
+        if self._update_factors is not None:
+            self._update_factors.before_step(optimizer)
         if optimizer not in self._folded:
             return
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args: (optimizer, *step's args)

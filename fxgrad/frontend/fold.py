@@ -72,7 +72,7 @@ def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scop
             "the step program applies the factor (pass fused=True to fold it)"
         )
     leaves = transform.leaves() if transform is not None else []
-    per_layer = [leaf for leaf in leaves if leaf.folds is None]
+    per_layer = [leaf for leaf in leaves if leaf.folds is None and leaf.apply_to == "grad"]
     if per_layer or not any(leaf.folds == "global" for leaf in leaves):
         shown = ", ".join(repr(leaf) for leaf in per_layer) or "no global factor"
         return (
@@ -97,8 +97,8 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> 
     return (
         f"fxgrad: {transform!r} only multiplies each layer's gradient by a factor that is the same on every "
         f"step, and {type(optimizer).__name__}'s update divides the gradient by its running RMS, so the factor "
-        "cancels: the weights move as without the policy (up to float rounding). Give the layers their own "
-        "learning rates (optimizer param groups) instead, or use SGD, where it acts."
+        "cancels: the weights move as without the policy (up to float rounding). Put the factor on the update "
+        "instead (apply_to='update': a per-layer learning-rate scale), or use SGD, where it acts."
     )
 
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fxgrad import _compat
 from fxgrad.core.layers import build_layers, model_rows, parameter_owners
@@ -86,28 +86,42 @@ def handed_back(model: nn.Module) -> Iterator[None]:
 
 def optimizer_pre_hook(owner: Any, method: Callable[[Any, torch.optim.Optimizer, tuple, dict], None]) -> None:
     """Call ``method(owner, optimizer, args, kwargs)`` before every ``optimizer.step(*args, **kwargs)``
-    while ``owner`` lives (it is held weakly).
+    while ``owner`` lives (it is held weakly)."""
+    _BEFORE.add(owner, method)
 
-    One global step pre-hook serves every owner, over a copy of the live ones: a
-    hook per owner, removed when the owner is collected, would change torch's hook
+
+def optimizer_post_hook(owner: Any, method: Callable[[Any, torch.optim.Optimizer, tuple, dict], None]) -> None:
+    """Call ``method(owner, optimizer, args, kwargs)`` after every ``optimizer.step(*args, **kwargs)``
+    while ``owner`` lives (it is held weakly)."""
+    _AFTER.add(owner, method)
+
+
+class _GlobalHook:
+    """One global optimizer-step hook serving every owner, over a copy of the live ones.
+
+    A hook per owner, removed when the owner is collected, would change torch's hook
     dict while it runs them whenever a collection falls inside ``optimizer.step()``
     ("OrderedDict mutated during iteration"; the fuzzer found it).
     """
-    if not _OWNERS:
-        global _REGISTERED
-        if not _REGISTERED:
-            _REGISTERED = True
-            register_optimizer_step_pre_hook(_before_any_step)
-    _OWNERS[owner] = method
+
+    def __init__(self, register: Callable[[Callable], Any]) -> None:
+        self.register = register
+        self.owners: weakref.WeakKeyDictionary[Any, Callable] = weakref.WeakKeyDictionary()
+        self.registered = False
+
+    def add(self, owner: Any, method: Callable) -> None:
+        if not self.registered:
+            self.registered = True
+            self.register(self.run)
+        self.owners[owner] = method
+
+    def run(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        for owner, method in list(self.owners.items()):
+            method(owner, optimizer, args, kwargs)
 
 
-_OWNERS: weakref.WeakKeyDictionary[Any, Callable] = weakref.WeakKeyDictionary()
-_REGISTERED = False
-
-
-def _before_any_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    for owner, method in list(_OWNERS.items()):
-        method(owner, optimizer, args, kwargs)
+_BEFORE = _GlobalHook(register_optimizer_step_pre_hook)
+_AFTER = _GlobalHook(register_optimizer_step_post_hook)
 
 
 @dataclasses.dataclass

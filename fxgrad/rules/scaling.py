@@ -21,7 +21,7 @@ import torch
 from fxgrad import _compat
 from fxgrad.core import match, validate
 from fxgrad.core.layers import WHAT_IS_A_LAYER, Layer
-from fxgrad.core.rule import LayerGrads, Leaf, ScaleLeaf, call_repr, field, rule
+from fxgrad.core.rule import APPLY_TO, LayerGrads, Leaf, ScaleLeaf, apply_to_field, call_repr, field, rule
 from fxgrad.runtime.context import RouteContext
 from fxgrad.runtime.norm_math import Factor, NormStats, cast, group_norm, widen
 from fxgrad.runtime.state import flat
@@ -58,9 +58,16 @@ class Rescale(ScaleLeaf):
 
     ``alpha=0`` leaves only the multipliers. Skipped (norm) layers are untouched.
 
+    ``apply_to="update"`` multiplies each layer's optimizer update by the factor
+    instead of its gradient: a per-layer learning-rate scale, which acts under
+    Adam-type optimizers, where a steady gradient factor cancels (the rescaling
+    article's "amplify the stem 3x" under AdamW; :mod:`fxgrad.frontend.update_factors`).
+
         >>> import fxgrad
         >>> fxgrad.rescale(alpha=0.3, multipliers={"*.q_proj": 1.3})
         rescale(alpha=0.3, target='mean', multipliers={'*.q_proj': 1.3})
+        >>> fxgrad.rescale(alpha=0, multipliers={"stem": 3.0}, apply_to="update")
+        rescale(alpha=0.0, target='mean', multipliers={'stem': 3.0}, apply_to='update')
     """
 
     name = "rescale"
@@ -73,9 +80,10 @@ class Rescale(ScaleLeaf):
     )
     every: int | None = field(None, kw_only=True, shown=lambda rule: rule.every is not None)
     decay: float = field(0.9, kw_only=True, shown=lambda rule: rule.target == "ema")
+    apply_to: str = apply_to_field()
 
     def fixed_factors(self) -> bool:
-        return self.alpha == 0  # only the multipliers are left
+        return self.alpha == 0 and self.apply_to == "grad"  # only the multipliers are left
 
     def __post_init__(self) -> None:
         target = self.target
@@ -107,7 +115,12 @@ class Rescale(ScaleLeaf):
             for key, value in multipliers.items()
         )
         self.set(
-            alpha=validate.non_negative("alpha", self.alpha), target=target, multipliers=pairs, every=every, decay=decay
+            alpha=validate.non_negative("alpha", self.alpha),
+            target=target,
+            multipliers=pairs,
+            every=every,
+            decay=decay,
+            apply_to=validate.choice("apply_to", self.apply_to, APPLY_TO),
         )
 
     @property
@@ -204,7 +217,9 @@ class TrustRatio(ScaleLeaf):
 
     Both norms are floored at ``min_norm``; the ratio is 1 when either is 0
     (as optax's ``scale_by_trust_ratio``, applied per layer rather than per
-    tensor). ``trust_ratio/<layer>`` is in ``backend.stats()``.
+    tensor). ``trust_ratio/<layer>`` is in ``backend.stats()``. With
+    ``apply_to="update"`` the ratio scales the layer's optimizer update (LARS-style
+    per-layer learning rates under any optimizer) instead of its gradient.
 
         >>> import fxgrad
         >>> fxgrad.scale_by_trust_ratio(0.001)
@@ -216,12 +231,14 @@ class TrustRatio(ScaleLeaf):
     trust_coefficient: float = 1.0
     eps: float = 0.0
     min_norm: float = 0.0
+    apply_to: str = apply_to_field()
 
     def __post_init__(self) -> None:
         self.set(
             trust_coefficient=validate.positive("trust_coefficient", self.trust_coefficient, allow_inf=False),
             eps=validate.non_negative("eps", self.eps),
             min_norm=validate.non_negative("min_norm", self.min_norm),
+            apply_to=validate.choice("apply_to", self.apply_to, APPLY_TO),
         )
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
@@ -247,6 +264,10 @@ class WeightNormDrift(ScaleLeaf):
     never flips sign; that clamp starts at ``r = exp(min_denominator - 1)``
     (0.41). A layer with ``||W_0|| = 0`` keeps factor 1.
 
+    The operator-norm article writes this factor as a per-layer learning rate
+    ``eta_l``: ``apply_to="update"`` applies it so, to the optimizer's update,
+    where an Adam-type optimizer does not divide it out.
+
         >>> import fxgrad
         >>> fxgrad.weight_norm_drift(every=100)
         weight_norm_drift(every=100, min_denominator=0.1)
@@ -256,11 +277,13 @@ class WeightNormDrift(ScaleLeaf):
 
     every: int = 10
     min_denominator: float = 0.1
+    apply_to: str = apply_to_field()
 
     def __post_init__(self) -> None:
         self.set(
             every=validate.positive_int("every", self.every),
             min_denominator=validate.positive("min_denominator", self.min_denominator, allow_inf=False),
+            apply_to=validate.choice("apply_to", self.apply_to, APPLY_TO),
         )
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:

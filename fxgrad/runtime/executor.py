@@ -19,6 +19,10 @@ With ``fold=True`` (:meth:`fxgrad.Backend.fold`; only for policies whose every
 factor is one global factor) the gradients are not multiplied: the product of
 the factors is the statistic ``folded_factor``, which the optimizer applies in
 its own update.
+
+A leaf with ``apply_to="update"`` multiplies no gradient either: the product of
+its factors per layer is the statistic ``update_factor/<layer>``, which
+:mod:`fxgrad.frontend.update_factors` applies to the optimizer's update.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 from fxgrad.core.rule import Route, ScaleLeaf
 from fxgrad.runtime import norm_math
 from fxgrad.runtime.context import GraphContext
-from fxgrad.runtime.state import StateStore
+from fxgrad.runtime.state import StateStore, flat
 
 Grads = dict[str, list[torch.Tensor]]
 
@@ -65,6 +69,11 @@ def run_policy(
     if fold:
         folded = executor.folded
         graph.emit(["folded_factor"], folded if isinstance(folded, torch.Tensor) else torch.ones((), device=device), -1)
+    if executor.on_update:
+        layers = list(executor.on_update)
+        factors = executor.on_update.values()
+        values = flat(f if isinstance(f, torch.Tensor) else torch.full((), f, device=device) for f in factors)
+        graph.emit([f"update_factor/{layer}" for layer in layers], values, -1, [("update_factor", n) for n in layers])
     graph.finish()
 
 
@@ -78,6 +87,7 @@ class Executor:
         self._norms: dict[str, tuple[norm_math.NormStats, norm_math.Factor]] = {}
         self._at_end: list[Callable[[], None]] = []
         self.folded: norm_math.Factor = 1.0  # with graph.fold: the global factor left to the optimizer
+        self.on_update: dict[str, norm_math.Factor] = {}  # layer -> product of its apply_to="update" factors
 
     def run(self, routes: Sequence[tuple[int, Route]]) -> None:
         start = 0
@@ -133,6 +143,10 @@ class Executor:
             self.set_label(route.label)
             ctx = self.graph.route(index, route.leaf.name, route.layers, self)
             new = route.leaf.factors([current[n] for n in route.names], route.layers, ctx)
+            if route.leaf.apply_to == "update":  # the optimizer's update takes it; the gradient stays
+                for name, factor in zip(route.names, new):
+                    self.on_update[name] = factor if name not in self.on_update else self.on_update[name] * factor
+                continue
             for name, factor in zip(route.names, new):
                 if _is_one(factor):
                     continue

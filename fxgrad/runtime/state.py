@@ -254,6 +254,10 @@ class StateStore:
                 out[key] = copies[group.device][group.slots.layout[key][0]]
         return out
 
+    def stat_layers(self, statistic: str) -> frozenset[str]:
+        """The layers with a value of the per-layer ``statistic`` so far."""
+        return frozenset(layer for name, layer in self._layer_stats.values() if name == statistic)
+
     def layer_stat(self, key: str) -> tuple[str, str] | None:
         """``(statistic, layer)`` for a per-layer statistic's key."""
         return self._layer_stats.get(key)
