@@ -1,15 +1,20 @@
-"""DDP on 2 CPU processes (gloo): exact vs local fxgrad semantics, side by side.
+"""DDP on 2 CPU processes (gloo): exact vs local fxgrad semantics vs eager code, side by side.
 
 * ``none``:  DDP(torch.compile(model)), no policy;
-* ``local``: ``scope="graph"``: each process rescales its own gradient inside the
+* ``eager``: the same, with the policy written after ``backward()`` the usual way
+  (``clip_grad_norm_(foreach=True)``, per-layer loops; ``bench/policies.py``);
+* ``local``: ``scope="graph"``: each process transforms its own gradient inside the
   backward, before DDP averages (the parameter server sees raw averages of
-  locally rescaled gradients);
-* ``exact``: ``scope="step"``: DDP averages first, ``backend.step()`` rescales the
-  averaged gradient (equal to one process on the whole batch).
+  locally transformed gradients);
+* ``exact``: ``scope="step"``: DDP averages first; at ``optimizer.step()`` the policy
+  runs on the averaged gradient as one compiled program (equal to one process on
+  the whole batch);
+* ``fold`` (with ``--optimizer adamw-fused``, for policies of one global factor): exact,
+  with ``backend.fold(optimizer)``: the factor rides in the fused update's ``grad_scale``.
 
 Prints step-time ratios (median over repeats of per-repeat ratios, rank 0).
 
-    python bench/ddp.py [--policy rescale] [--repeats 10] [--steps 5]
+    python bench/ddp.py [--policy rescale] [--optimizer sgd] [--repeats 10] [--steps 5]
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(__file__))
 
 from models import MODELS, loss_of  # noqa: E402
-from policies import POLICIES  # noqa: E402
+from policies import OPTIMIZERS, POLICIES, foldable, layers_of  # noqa: E402
 
 import fxgrad  # noqa: E402
 
@@ -41,45 +46,53 @@ def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> Non
     torch.set_num_threads(1)
     torch.manual_seed(0)
     base, args, kwargs = MODELS[options.model](options.scale)
-    transform = POLICIES[options.policy][0]
+    transform, make_eager = POLICIES[options.policy]
+    names = ["none", "eager", "local", "exact"] + (["fold"] if foldable(transform, options.optimizer) else [])
     variants = {}
-    for name in ("none", "local", "exact"):
+    for name in names:
         model = copy.deepcopy(base)
-        if name == "none":
-            compiled, backend = torch.compile(model), None
+        backend, after_backward = None, lambda: None
+        if name in ("none", "eager"):
+            compiled = torch.compile(model)
+            if name == "eager":
+                eager, layers = make_eager(), layers_of(model)
+                after_backward = lambda eager=eager, model=model, layers=layers: eager(model, layers)  # noqa: E731
         else:
             backend = fxgrad.backend(transform, scope="graph" if name == "local" else "step")
             compiled = backend.compile(model)
         ddp = nn.parallel.DistributedDataParallel(compiled)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        optimizer = OPTIMIZERS[options.optimizer](model.parameters())
+        if name == "fold":
+            backend.fold(optimizer)
 
-        def step(ddp=ddp, backend=backend, optimizer=optimizer, name=name):
+        def step(ddp=ddp, optimizer=optimizer, after_backward=after_backward):
             loss_of(ddp(*args, **kwargs)).backward()
-            if name == "exact":
-                backend.step()
-            optimizer.step()
+            after_backward()
+            optimizer.step()  # scope="step" runs the policy in its pre-hook
             optimizer.zero_grad(set_to_none=True)
 
         step()  # compile
         step()
         variants[name] = (step, [])
     for r in range(options.repeats):
-        names = list(variants)[r % 3 :] + list(variants)[: r % 3]
-        for name in names:
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
             dist.barrier()
             start = time.perf_counter()
             for _ in range(options.steps):
                 variants[name][0]()
             variants[name][1].append((time.perf_counter() - start) / options.steps)
     if rank == 0:
-        base_times = variants["none"][1]
-        print(f"model {options.model}, policy {options.policy}, {world} processes (gloo, 1 thread each)")
-        print(f"step without a policy: {statistics.median(base_times) * 1e3:.1f} ms")
-        for name in ("local", "exact"):
-            ratio = statistics.median(t / b for t, b in zip(variants[name][1], base_times))
-            print(f"{name:>5} / none: {ratio:.3f}")
-        ratio = statistics.median(a / b for a, b in zip(variants["local"][1], variants["exact"][1]))
-        print(f"local / exact: {ratio:.3f}")
+        times = {name: times for name, (_, times) in variants.items()}
+
+        def ratio(a: str, b: str) -> float:
+            return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+        print(f"model {options.model}, policy {options.policy}, optimizer {options.optimizer}, {world} processes")
+        print(f"step without a policy: {statistics.median(times['none']) * 1e3:.1f} ms")
+        for a, b in [(n, "none") for n in names[1:]] + [("local", "exact"), ("exact", "eager"), ("fold", "eager")]:
+            if a in times:
+                print(f"{a} / {b}: {ratio(a, b):.3f}")
     dist.destroy_process_group()
 
 
@@ -87,6 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2", choices=list(MODELS))
     parser.add_argument("--policy", default="rescale", choices=list(POLICIES))
+    parser.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS))
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5)

@@ -148,3 +148,19 @@ POLICIES = {
     ),
 }
 """name -> (fxgrad transform, factory of its eager equivalent ``f(model, layers)``)."""
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-4),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True),
+}
+
+
+def foldable(transform: fxgrad.Transform, optimizer_name: str) -> bool:
+    """Whether ``backend.fold`` moves the policy's factor into the optimizer ``optimizer_name``."""
+    leaves = transform.leaves()
+    return (
+        optimizer_name.endswith("-fused")
+        and all(leaf.folds is not None for leaf in leaves)
+        and any(leaf.folds == "global" for leaf in leaves)
+    )

@@ -52,15 +52,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from models import MODELS, loss_of  # noqa: E402
-from policies import POLICIES, HookRescaled, layers_of  # noqa: E402
+from policies import OPTIMIZERS, POLICIES, HookRescaled, foldable, layers_of  # noqa: E402
 
 import fxgrad  # noqa: E402
 from fxgrad import _compat  # noqa: E402
-
-OPTIMIZERS = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-4),
-    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True),
-}
 
 LAUNCH = re.compile(r"^\s+(cpp_fused_\w+|triton_\w+(?:\.run)?|extern_kernels\.\w+)\(", re.MULTILINE)
 
@@ -176,7 +171,7 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
         m = copy_of()
         stepped = fxgrad.backend(transform, compiler=compiler, scope="step")
         variants.append(Variant(f"fxgrad step {policy}", m, stepped.compile(m), no_policy, inputs, reference=reference))
-        if foldable(transform):
+        if foldable(transform, Variant.optimizer_name):
             m = copy_of()
             folded = fxgrad.backend(transform, compiler=compiler, scope="step")
             variant = Variant(
@@ -205,16 +200,6 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
             )
         )
     return variants
-
-
-def foldable(transform) -> bool:
-    """Whether ``backend.fold`` moves the policy's factor into this run's optimizer."""
-    leaves = transform.leaves()
-    return (
-        Variant.optimizer_name.endswith("-fused")
-        and all(leaf.folds is not None for leaf in leaves)
-        and any(leaf.folds == "global" for leaf in leaves)
-    )
 
 
 def under_compiled_autograd(compiler: str):
