@@ -8,7 +8,9 @@ that should need to change; the facts it relies on are listed in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import re
 import sys
 from typing import Any, Callable, Iterator
 
@@ -381,3 +383,71 @@ def data_parallel_world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# ---------------------------------------------------------------------------
+# Kernel origins, for fxgrad.explain(..., kernels=True) (fxgrad/frontend/kernels.py).
+# Inductor's provenance tracking (config.trace.provenance_tracking_level) records, for
+# every kernel it launches, the post-grad FX nodes the kernel came from, and writes one
+# "[Provenance debug handles] <kernel>:<handle>" comment per launch into the output code.
+
+
+@dataclasses.dataclass
+class GeneratedModule:
+    """One module Inductor generated: ``launches`` holds, in launch order, each kernel's
+    name, whether Inductor generated it (``False``: an extern kernel such as
+    ``extern_kernels.mm`` or a fallback op), and the names of the post-grad FX nodes it
+    came from; ``graph`` is that post-grad graph (``None`` if Inductor did not say)."""
+
+    aot_id: str | None  # "0_forward", "0_backward", "1_inference"
+    is_backward: bool
+    code: str
+    launches: list[tuple[str, bool, list[str]]]
+    graph: torch.fx.Graph | None
+
+
+_AOT_ID = re.compile(r"^# AOT ID: \['([^']+)'\]", re.MULTILINE)
+_PROVENANCE_HANDLE = re.compile(r"\[Provenance debug handles\] (\S+):(\d+)\s*$", re.MULTILINE)
+
+
+@contextlib.contextmanager
+def inductor_kernel_origins(on_module: Callable[[GeneratedModule], None]) -> Iterator[None]:
+    """Call ``on_module`` with every module Inductor generates inside the block.
+
+    Turns on Inductor's provenance tracking and, so that every graph is lowered
+    here rather than loaded with its kernels already named, off its FX graph
+    cache; torch's provenance records are restored afterwards.
+    """
+    from unittest import mock
+
+    import torch._inductor.config as inductor_config
+    import torch._inductor.debug as inductor_debug
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+
+    outer = GraphLowering.save_output_code  # e.g. generated_code() around the block
+
+    def save(code: str) -> None:
+        origins = inductor_debug._inductor_triton_kernel_to_post_grad_node_info  # replaced per compile: read now
+        launches = []
+        for match in _PROVENANCE_HANDLE.finditer(code):
+            name = match.group(1)
+            generated = re.search(rf"^{re.escape(name)} = async_compile\.", code, re.MULTILINE) is not None
+            launches.append((name, generated, list(origins.get(f"{name}:{match.group(2)}", ()))))
+        lowering = V.graph  # the GraphLowering that generated ``code``
+        graph = getattr(getattr(lowering, "module", None), "graph", None)
+        aot_id = _AOT_ID.search(code)
+        is_backward = getattr(lowering, "is_backward", None)
+        if is_backward is None:
+            is_backward = aot_id is not None and aot_id.group(1).endswith("_backward")
+        on_module(GeneratedModule(aot_id.group(1) if aot_id else None, bool(is_backward), code, launches, graph))
+        if outer is not None:
+            outer(code)
+
+    patches = {"trace.provenance_tracking_level": 2, "fx_graph_cache": False}
+    with (
+        inductor_config.patch(patches),
+        inductor_debug.reset_provenance_globals(),
+        mock.patch.object(GraphLowering, "save_output_code", save),
+    ):
+        yield

@@ -13,6 +13,7 @@ layer  type       params  action
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any, Iterator, Mapping
@@ -23,6 +24,7 @@ import torch.nn as nn
 from fxgrad.core.layers import parameter_owners, skip_reason
 from fxgrad.frontend.backend import Backend
 from fxgrad.frontend.coverage import CoverageWarning
+from fxgrad.frontend.kernels import KernelCollector, ProgramKernels
 from fxgrad.frontend.step_check import handed_back
 from fxgrad.frontend.step_scope import step_routes
 from fxgrad.passes.capture import CapturedGraph
@@ -48,6 +50,10 @@ class Report:
     ``backward_after`` (normalized code) and ``inserted`` (fxgrad's nodes only;
     inserted nodes are named ``fxgrad_*`` and tagged ``node.meta["fxgrad"]``).
     ``warnings``: the coverage warnings training would show.
+    ``kernels``: with ``explain(..., kernels=True)``, the Inductor kernel launches of each
+    backward graph (and of the step program in step scope), each with the fxgrad nodes
+    and the model nodes it computes (:class:`~fxgrad.frontend.kernels.ProgramKernels`);
+    ``None`` otherwise. :meth:`kernels_table` prints them.
     """
 
     backend: Backend  # the backend explained (the run used a non-strict copy)
@@ -55,6 +61,7 @@ class Report:
     graphs: list[CapturedGraph]
     loss: torch.Tensor
     warnings: list[str]
+    kernels: list[ProgramKernels] | None = None
 
     @property
     def backward_before(self) -> str:
@@ -92,6 +99,16 @@ class Report:
         ]
         return "\n".join(line.rstrip() for line in lines)
 
+    def kernels_table(self) -> str:
+        """Per compiled program, its kernel launches in order: the number of model nodes and
+        the names of the fxgrad nodes each computes; a generated kernel that computes only
+        fxgrad nodes is marked as a separate pass."""
+        if self.kernels is None:
+            raise ValueError("this report has no kernels: call fxgrad.explain(..., kernels=True)")
+        if not self.kernels:
+            return "no Inductor kernels: no backward graph was compiled"
+        return "\n\n".join(program.table() for program in self.kernels)
+
     def __str__(self) -> str:
         # .item() syncs with the device: fine, explain is a one-off diagnostic, not a training step.
         backend = self.backend
@@ -106,10 +123,12 @@ class Report:
         for i, graph in enumerate(self.graphs):
             if graph.inserted is not None:
                 parts += ["", f"inserted into backward graph {i}:", graph.inserted.rstrip()]
+        if self.kernels is not None:
+            parts += ["", "Inductor kernels (explain compiled with Inductor), in launch order:", self.kernels_table()]
         return "\n".join(parts)
 
 
-def explain(model: nn.Module, *args: Any, backend: Backend, **kwargs: Any) -> Report:
+def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = False, **kwargs: Any) -> Report:
     """Run one forward and backward of ``model`` with ``backend`` and report.
 
     The loss is ``output.loss`` when the output has one (Hugging Face models),
@@ -118,19 +137,40 @@ def explain(model: nn.Module, *args: Any, backend: Backend, **kwargs: Any) -> Re
     restored afterwards. Coverage problems are reported, not raised. The
     backward is of the unscaled loss, so a backend's ``GradScaler`` is left
     out: the graphs shown do not divide the norms by the loss scale.
+
+    ``kernels=True`` also reports which Inductor kernels compute fxgrad's nodes
+    (``report.kernels``, ``report.kernels_table()``): per backward graph, and in step
+    scope per compiled step program (run once on the gradients of this backward),
+    each kernel launch in order with its fxgrad nodes and its number of model nodes.
+    The run compiles with Inductor even when ``backend`` has ``compiler="aot_eager"``
+    (the policy's nodes are the same; only Inductor makes kernels), without
+    Inductor's FX graph cache, so that every graph is lowered and its kernels traced::
+
+        report = fxgrad.explain(model, x, backend=backend, kernels=True)
+        print(report.kernels_table())
+        # backward graph 0: 9 launches, 5 of them generated kernels
+        # kernel                                   model nodes  fxgrad nodes
+        # cpp_fused_sum_view_0                               2  fxgrad_mul_3, fxgrad_sum_3
+        # extern_kernels.mm                                  1  -
+        # cpp_fused_2                                        0  fxgrad_mul_2, fxgrad_sum_2  <- a separate pass
+        # ...
     """
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
+    if not isinstance(kernels, bool):
+        raise TypeError(f"kernels must be a bool, got {kernels!r}")
     # A GradScaler has no scale before its first scaled backward, and this one is unscaled.
     probe = Backend(
         backend.transform,
         skip=backend.skip,
-        compiler=backend.compiler,
+        compiler="inductor" if kernels else backend.compiler,
         strict=False,
         keep_code=True,
         scope=backend.scope,
     )
-    with _restored(model), handed_back(model), warnings.catch_warnings(record=True) as caught:
+    collector = KernelCollector(lambda: probe.graphs) if kernels else None
+    capture = collector.capture() if collector is not None else contextlib.nullcontext()
+    with _restored(model), handed_back(model), warnings.catch_warnings(record=True) as caught, capture:
         warnings.simplefilter("always", CoverageWarning)
         compiled = probe.compile(model)
         loss = _loss_of(compiled(*args, **kwargs))
@@ -138,8 +178,14 @@ def explain(model: nn.Module, *args: Any, backend: Backend, **kwargs: Any) -> Re
         step_scope = None
         if probe.transform is not None and probe.current_scope() == "step":
             step_scope = step_routes(probe.transform, [(model, "")], probe.skip, probe.registry.forward_order())[1]
+            if collector is not None:
+                with collector.step_program():
+                    probe.transform_grads(model)  # on this backward's gradients; _restored puts .grad back
     messages = [str(w.message) for w in caught if issubclass(w.category, CoverageWarning)]
-    return Report(backend, _decisions(model, probe, step_scope), probe.graphs, loss.detach(), messages)
+    report = Report(backend, _decisions(model, probe, step_scope), probe.graphs, loss.detach(), messages)
+    if collector is not None:
+        report.kernels = collector.result(probe.graphs, stepped=step_scope is not None)
+    return report
 
 
 @dataclasses.dataclass
