@@ -87,6 +87,11 @@ def detect_fake_mode(values: list) -> Any:
     return _detect_fake_mode(values)
 
 
+def is_fake(value: Any) -> bool:
+    """Whether ``value`` is a fake tensor (of any fake mode)."""
+    return isinstance(value, _FakeTensor)
+
+
 def fake_of(value: Any, fake_mode: Any) -> bool:
     """Whether ``value`` is a plain fake tensor of ``fake_mode`` (not a subclass such as DTensor)."""
     return type(value) is _FakeTensor and value.fake_mode is fake_mode

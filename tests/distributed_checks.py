@@ -135,6 +135,45 @@ def ddp_local(rank: int, world: int, wrapper: str) -> None:
 
 
 @on_each_rank
+def ddp_local_buckets(rank: int, world: int, wrapper: str) -> None:
+    """scope="graph" under DDP with several gradient buckets: Dynamo's DDP optimizer compiles one
+    graph per bucket on fake copies of the parameters. Layers keep their names and types (the
+    LayerNorm is skipped), per-layer rules apply per rank, and a global clip, which would see
+    one bucket, is refused with the reason."""
+    torch.manual_seed(0)  # 1 MB buckets (the smallest Dynamo takes), and a 1 MB layer: two buckets
+    model = nn.Sequential(
+        nn.Linear(16, 512), nn.LayerNorm(512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 4)
+    )
+    x = model_and_data()[1]
+    parts = []
+    for r in range(world):
+        local = copy.deepcopy(model)
+        loss(local(half(x, r, world))).backward()
+        ref.clip_per_layer(local, 1e-3)
+        parts.append(local)
+    averaged = copy.deepcopy(model)
+    for p, *qs in zip(averaged.parameters(), *[m.parameters() for m in parts]):
+        p.grad = sum(q.grad for q in qs) / world
+    global_clip = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager", scope="graph")
+    ddp = nn.parallel.DistributedDataParallel(compiled(model, backend, wrapper), bucket_cap_mb=1)
+    loss(ddp(half(x, rank, world))).backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    assert sum(1 for graph in backend.graphs if graph.params) > 1  # the buckets made several graphs
+    assert {p.layer for graph in backend.graphs for p in graph.params} == {"0", "1", "3", "5"}
+    assert_grads_close(model, averaged, rtol=1e-5)
+
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="graph")
+    ddp = nn.parallel.DistributedDataParallel(compiled(global_clip, backend, wrapper), bucket_cap_mb=1)
+    try:
+        loss(ddp(half(x, rank, world))).backward()
+    except Exception as error:  # Dynamo may wrap it
+        assert "one graph per gradient bucket" in str(error), error
+    else:
+        raise AssertionError("a global clip over one bucket's graph was not refused")
+
+
+@on_each_rank
 def auto_scope_is_exact(rank: int, world: int, wrapper: str) -> None:
     """The default scope in a data-parallel job is exact, applied at optimizer.step(),
     here after 2 accumulated micro-batches (no_sync on the first)."""

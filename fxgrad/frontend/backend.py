@@ -164,6 +164,8 @@ class Backend:
 
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
+            if graph.params and _compat.is_fake(args[graph.params[0].index]):
+                return compiled(*args)  # Dynamo's DDP optimizer runs each bucket's graph on fake values once
             # Checked per call, not at compile: Dynamo would wrap the error in
             # BackendCompilerFailed, and the graph stays usable once it is off.
             if self._coverage is not None and self.current_scope() == "graph":

@@ -132,6 +132,17 @@ def rnn_hint(layers: Sequence[Layer]) -> str:
     )
 
 
+def ddp_hint() -> str:
+    """Advice when the graphs may be DDP's buckets rather than graph breaks."""
+    if _compat.data_parallel_world_size() == 1:
+        return ""
+    return (
+        "\nUnder DDP, Dynamo's DDP optimizer also compiles one graph per gradient bucket "
+        "(torch._dynamo.config.optimize_ddp): scope='step', the default of scope='auto' in a "
+        "data-parallel job, is the one that sees the model's whole gradient."
+    )
+
+
 FATAL_ADVICE = (
     "Each compiled graph has its own backward, so a norm taken in one graph is not "
     "the norm over the model. Use fxgrad.backend(..., scope='step') to transform every "
@@ -172,7 +183,7 @@ class CoverageCheck:
         if fatal:
             text = "\n".join(gap.describe() for gap in fatal)
             layers = [layer for gap in fatal for layer, _ in gap.layers]
-            self.report(f"fxgrad: {text}\n{FATAL_ADVICE}{rnn_hint(layers)}", fatal=True)
+            self.report(f"fxgrad: {text}\n{FATAL_ADVICE}{rnn_hint(layers)}{ddp_hint()}", fatal=True)
         for gap in gaps:
             if not gap.fatal:
                 self.warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")

@@ -9,6 +9,10 @@ in that model's ``named_modules()`` order.
 
 A parameter whose root is not a module (an ``nn.Parameter`` passed as an
 argument) becomes a layer of its own, named after its variable.
+
+Dynamo's DDP optimizer (a compiled model inside ``DistributedDataParallel``,
+split into one graph per gradient bucket) hands the backend fake copies of the
+parameters; their sources, evaluated in the frame, give the real ones.
 """
 
 from __future__ import annotations
@@ -130,6 +134,9 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
     for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
         if isinstance(value, nn.Parameter):
             chain = _compat.source_chain(node)
+            if _compat.is_fake(value) and chain:
+                real = _evaluate(chain[-1], scope)
+                value = real if isinstance(real, nn.Parameter) and real.shape == value.shape else value
             # A known model first: in a frame compiled after a graph break inside a
             # submodule's forward, the outermost module in scope is that submodule.
             home = next((roots[key].module() for key, known in owners.items() if id(value) in known), None)
@@ -189,17 +196,21 @@ def _names_taken(new: dict[int, Owner], known: dict[int, dict[int, Owner]]) -> b
 
 def _find_root(chain: list[str], scope: tuple[dict, dict] | None) -> nn.Module | None:
     """The outermost module on a source chain, evaluated in the compiled frame."""
-    if scope is None:
-        return None
-    namespace = {"L": scope[0], "G": scope[1], "__builtins__": {}}
     for name in chain[:-1]:
-        try:
-            value = eval(name, namespace)  # noqa: S307 - Dynamo source names are lookups
-        except Exception:
-            continue
+        value = _evaluate(name, scope)
         if isinstance(value, nn.Module):
             return value
     return None
+
+
+def _evaluate(source_name: str, scope: tuple[dict, dict] | None) -> object:
+    """The object a Dynamo source name refers to in the compiled frame, or ``None``."""
+    if scope is None:
+        return None
+    try:
+        return eval(source_name, {"L": scope[0], "G": scope[1], "__builtins__": {}})  # noqa: S307 - lookups
+    except Exception:
+        return None
 
 
 def _variable_name(source_name: str) -> str:
