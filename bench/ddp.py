@@ -1,11 +1,13 @@
 """DDP on 2 CPU processes (gloo): exact vs local fxgrad semantics vs eager code, side by side.
 
-* ``none``:  DDP(torch.compile(model)), no policy;
+* ``none``:  DDP(torch.compile(model)), no policy; ``none again``, a second copy of it (its
+  ratio to ``none`` is the run's noise floor);
 * ``eager``: the same, with the policy written after ``backward()`` the usual way
   (``clip_grad_norm_(foreach=True)``, per-layer loops; ``bench/policies.py``);
 * ``local``: ``scope="graph"``: each process transforms its own gradient inside the
   backward, before DDP averages (the parameter server sees raw averages of
-  locally transformed gradients);
+  locally transformed gradients); ``strict=False``: Dynamo's DDP optimizer compiles
+  one graph per gradient bucket, and a global norm is then each bucket's;
 * ``exact``: ``scope="step"``: DDP averages first; at ``optimizer.step()`` the policy
   runs on the averaged gradient as one compiled program (equal to one process on
   the whole batch);
@@ -47,18 +49,20 @@ def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> Non
     torch.manual_seed(0)
     base, args, kwargs = MODELS[options.model](options.scale)
     transform, make_eager = POLICIES[options.policy]
-    names = ["none", "eager", "local", "exact"] + (["fold"] if foldable(transform, options.optimizer) else [])
+    names = ["none", "none again", "eager", "local", "exact"]
+    names += ["fold"] if foldable(transform, options.optimizer) else []
     variants = {}
     for name in names:
         model = copy.deepcopy(base)
         backend, after_backward = None, lambda: None
-        if name in ("none", "eager"):
+        if name in ("none", "none again", "eager"):
             compiled = torch.compile(model)
             if name == "eager":
                 eager, layers = make_eager(), layers_of(model)
                 after_backward = lambda eager=eager, model=model, layers=layers: eager(model, layers)  # noqa: E731
         else:
-            backend = fxgrad.backend(transform, scope="graph" if name == "local" else "step")
+            local = name == "local"
+            backend = fxgrad.backend(transform, scope="graph" if local else "step", strict=not local)
             compiled = backend.compile(model)
         ddp = nn.parallel.DistributedDataParallel(compiled)
         optimizer = OPTIMIZERS[options.optimizer](model.parameters())

@@ -15,7 +15,8 @@ compilation excluded:
   compiled autograd, as the rescaling article writes it;
 * ``fxgrad fold <policy>`` (with ``--optimizer adamw-fused``, for policies of one
   global factor): step scope with ``backend.fold(optimizer)``, the factor applied
-  by the fused update.
+  by the fused update; ``fxgrad fold <policy> graph``: the same in graph scope (the
+  backward reads the norms and returns the gradients unscaled).
 
 Each variant's gradients after its first step (policy applied) must equal those of the
 same policy in eager PyTorch (``fxgrad`` and ``fxgrad step`` against ``eager``,
@@ -171,11 +172,11 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
         m = copy_of()
         stepped = fxgrad.backend(transform, compiler=compiler, scope="step")
         variants.append(Variant(f"fxgrad step {policy}", m, stepped.compile(m), no_policy, inputs, reference=reference))
-        if foldable(transform, Variant.optimizer_name):
+        for scope in ("step", "graph") if foldable(transform, Variant.optimizer_name) else ():
             m = copy_of()
-            folded = fxgrad.backend(transform, compiler=compiler, scope="step")
+            folded = fxgrad.backend(transform, compiler=compiler, scope=scope)
             variant = Variant(
-                f"fxgrad fold {policy}",
+                f"fxgrad fold {policy}" + (" graph" if scope == "graph" else ""),
                 m,
                 folded.compile(m),
                 no_policy,
@@ -183,7 +184,7 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
                 reference=reference,
                 grads=lambda folded=folded, m=m: folded.scaled_grads(m),
             )
-            folded.fold(variant.optimizer)
+            folded.fold(variant.optimizer)  # before the first forward: in graph scope, too
             variants.append(variant)
         m = copy_of()
         variants.append(Variant(f"eager {policy}", m, compiled(m), eager, inputs))
@@ -246,7 +247,7 @@ def report_rows(model_name, policies, variants, first, compile_ratios):
     for policy in policies:
         fx, eager, step = by_name[f"fxgrad {policy}"], by_name[f"eager {policy}"], by_name[f"fxgrad step {policy}"]
         cold = compile_ratios.get(policy)
-        fold = by_name.get(f"fxgrad fold {policy}")
+        fold, graph_fold = by_name.get(f"fxgrad fold {policy}"), by_name.get(f"fxgrad fold {policy} graph")
         rows.append(
             (
                 model_name,
@@ -258,6 +259,7 @@ def report_rows(model_name, policies, variants, first, compile_ratios):
                 f"{paired_ratio(step, eager):.3f}",
                 "-" if fold is None else f"{paired_ratio(fold, base):.3f}",
                 "-" if fold is None else f"{paired_ratio(fold, eager):.3f}",
+                "-" if graph_fold is None else f"{paired_ratio(graph_fold, base):.3f}",
                 f"{first[fx.name][1] - first['compiled'][1]:+d}",
                 "-" if cold is None else f"{cold:.2f}",
                 f"{paired_ratio(by_name['hooks rescale'], base):.3f}" if policy == "rescale" else "-",
@@ -276,6 +278,7 @@ HEADER = (
     "step scope / eager",
     "fold / compiled",
     "fold / eager",
+    "graph fold / compiled",
     "extra kernels",
     "cold compile fxgrad / compiled",
     "module hooks / compiled",

@@ -110,7 +110,8 @@ class Backend:
             )
         self._step = None  # runs the policy on .grad in step scope
         self._programs = StepPrograms(compiler)  # ... as compiled programs, by gradient layout
-        self._folded: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # see fold()
+        # see fold(): the folded optimizers, each with the backward count at its last step
+        self._folded: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         self._cancel_checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         if transform is not None:
             self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update)
@@ -156,9 +157,12 @@ class Backend:
         # Backward passes are counted for the optimizer.step() check of models compile() does not
         # watch per forward (the plain torch.compile path), not on every call of every graph.
         count_backwards = self._step_check is not None and self._step_check.unwatched(graph)
+        # A folded graph leaves its factor to the optimizer: one backward per step may, no more (see fold()).
+        folded = bool(self._folded) and self.current_scope() == "graph"
+        count_backwards = count_backwards or (folded and bool(graph.params))
         if self._step_check is not None:
             self._step_check.arm()
-        rewrite = functools.partial(self._rewrite_backward, graph)
+        rewrite = functools.partial(self._rewrite_backward, graph, folded)
         with _compat.autograd_cache_bypassed():
             compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite, patches)
 
@@ -273,11 +277,11 @@ class Backend:
         for miss in policy_misses(self.transform, self.skip, model):
             warnings.warn(miss, CoverageWarning, stacklevel=4)
 
-    def _rewrite_backward(self, graph: CapturedGraph, gm: torch.fx.GraphModule) -> None:
+    def _rewrite_backward(self, graph: CapturedGraph, folded: bool, gm: torch.fx.GraphModule) -> None:
         with _gc_paused():
-            self._rewrite(graph, gm)
+            self._rewrite(graph, gm, folded)
 
-    def _rewrite(self, graph: CapturedGraph, gm: torch.fx.GraphModule) -> None:
+    def _rewrite(self, graph: CapturedGraph, gm: torch.fx.GraphModule, folded: bool) -> None:
         try:
             outputs = passes.gradient_outputs(gm, graph.num_inputs)
         except passes.GraphMismatchError:
@@ -300,7 +304,8 @@ class Backend:
         graph.routes = plan.active_routes()
         if self.keep_code:
             graph.backward_before = normalize_code(gm.code, group_label)
-        rewrite_backward(gm, plan, outputs, self.store, self.scaler, graph.tensors, self.registry.frame_index(graph))
+        frame = self.registry.frame_index(graph)
+        rewrite_backward(gm, plan, outputs, self.store, self.scaler, graph.tensors, frame, fold=folded)
         if self.keep_code:
             self._keep_code(graph, gm, outputs, has_grad)
 
@@ -345,14 +350,22 @@ class Backend:
         """Let ``optimizer``'s own update apply the policy's final factor (no pass over the gradients).
 
         For a policy of one global factor (``clip_by_global_norm``, ``autoclip``,
-        ``zclip``, with ``monitor``) in step scope and a fused ``Adam``, ``AdamW`` or
-        ``SGD``, the factor divides ``optimizer.grad_scale`` (with a GradScaler's scale
-        when there is one): the norms are read once and nothing is written. The
-        weights after each step equal the unfolded path's. Until the step, ``.grad``
-        holds the gradient before the factor: ``stats()["folded_factor"]`` is the
-        factor and :meth:`scaled_grads` the gradients with it. Other combinations
-        keep the scaling pass, after one ``RuntimeWarning`` saying why; an optimizer
-        other than those three raises. See :mod:`fxgrad.frontend.fold`.
+        ``zclip``, with ``monitor``) and a fused ``Adam``, ``AdamW`` or ``SGD``, the
+        factor divides ``optimizer.grad_scale`` (with a GradScaler's scale when there is
+        one): the norms are read once and nothing is written. The weights after each
+        step equal the unfolded path's. Until the step, ``.grad`` holds the gradient
+        before the factor: ``stats()["folded_factor"]`` is the factor and
+        :meth:`scaled_grads` the gradients with it.
+
+        In step scope the norms are read at ``optimizer.step()``. In graph scope the
+        backward graph reads them and returns the gradients unscaled; call ``fold()``
+        before the model's first forward (the graphs compiled before keep scaling),
+        and run one backward per step through one graph: the step refuses more
+        (``ValueError``: each backward had its own factor, which one ``grad_scale``
+        cannot hold; accumulation and graph breaks need ``scope="step"``).
+
+        Other combinations keep the scaling pass, after one ``RuntimeWarning`` saying
+        why; an optimizer other than those three raises. See :mod:`fxgrad.frontend.fold`.
 
             >>> import torch, fxgrad
             >>> model = torch.nn.Linear(4, 4)
@@ -360,14 +373,17 @@ class Backend:
             >>> backend.fold(torch.optim.AdamW(model.parameters(), fused=True))
         """
         folding.check(optimizer)
-        why = folding.fallback(optimizer, self.transform, self.current_scope())
+        scope = self.current_scope()
+        compiled = any(graph.params for graph in self.registry.graphs)
+        why = folding.fallback(optimizer, self.transform, scope, compiled)
         if why is not None:
             warnings.warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning, stacklevel=2)
             return
         if optimizer not in self._folded:
-            self._folded.add(optimizer)
+            self._folded[optimizer] = self._backwards
             optimizer.register_step_post_hook(folding.after_step)
-        self._step.arm()
+        if scope == "step":
+            self._step.arm()
 
     def folded_into(self) -> list[torch.optim.Optimizer]:
         """The optimizers :meth:`fold` folds into (while they live)."""
@@ -395,6 +411,15 @@ class Backend:
             self._update_factors.before_step(optimizer)
         if optimizer not in self._folded:
             return
+        if self.current_scope() == "graph":
+            backwards, self._folded[optimizer] = self._backwards - self._folded[optimizer], self._backwards
+            if backwards > 1:
+                raise ValueError(
+                    f"fold in graph scope: {backwards} backward passes through the compiled graphs since the last "
+                    "step (accumulated micro-batches, a graph break, retain_graph): each applied its own factor, "
+                    "which one grad_scale cannot hold. Use fxgrad.backend(..., scope='step'), which applies the "
+                    "factor of the whole step's gradient, or do not fold."
+                )
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args: (optimizer, *step's args)
         if closure is not None:
             raise ValueError(

@@ -6,7 +6,10 @@ the last one exists. torch's fused optimizers (``Adam``, ``AdamW`` and ``SGD``
 with ``fused=True``) already divide each gradient by ``optimizer.grad_scale``
 inside their update (``GradScaler`` sets it to the loss scale), so the factor
 can ride there for free: ``grad_scale = loss_scale / factor``. Step scope then
-reads the norms once and writes nothing; the update applies the factor.
+reads the norms once and writes nothing; the update applies the factor. In graph
+scope the backward graph reads the norms where it produces the gradients and
+returns them unscaled, if one backward through one graph makes each step's
+gradient (the step refuses more: each backward had a factor of its own).
 
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), scope="step")
     model = torch.compile(model, backend=backend)
@@ -62,10 +65,14 @@ def check(optimizer: Any) -> None:
         )
 
 
-def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scope: str) -> str | None:
-    """Why this combination falls back to a scaling pass, or ``None`` when it folds."""
-    if scope != "step":
-        return "folding in graph scope is not built yet: the backward graph applies the factor"
+def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scope: str, compiled: bool) -> str | None:
+    """Why this combination falls back to a scaling pass, or ``None`` when it folds
+    (``compiled``: backward graphs holding parameters exist already)."""
+    if scope == "graph" and compiled:
+        return (
+            "in graph scope, call fold() before the model's first forward: the backward graphs compiled "
+            "so far apply the factor themselves"
+        )
     if not all(group.get("fused") for group in optimizer.param_groups):
         return (
             f"{type(optimizer).__name__} without fused=True has no grad_scale input: "

@@ -32,20 +32,22 @@ def rewrite_backward(
     scaler: Any = None,
     params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
     frame: int = 0,
+    fold: bool = False,
 ) -> None:
     """Insert the plan's rules before ``gm``'s output and return their results instead.
 
     ``store`` holds the transforms' device state; ``scaler`` is the GradScaler
     whose scale the gradients carry, if any; ``params(names)`` returns the
     parameters with those qualified names (for transforms that read weights);
-    ``frame`` numbers the compiled frame (see :class:`~fxgrad.runtime.context.GraphContext`).
+    ``frame`` numbers the compiled frame (see :class:`~fxgrad.runtime.context.GraphContext`);
+    ``fold`` leaves the global factor to the optimizer (:meth:`fxgrad.Backend.fold`).
     """
     routes = [(i, route) for i, route in enumerate(plan.routes) if route.layers]
     if not routes:
         return
     signature = passes.output_signature(gm)
     nodes = {name: [outputs[slot] for slot in slots] for name, slots in plan.slots.items()}
-    new = record_policy(gm, routes, nodes, store, scaler, params, frame)
+    new = record_policy(gm, routes, nodes, store, scaler, params, frame, fold=fold)
     passes.replace_gradient_outputs(
         gm, {slot: node for name, slots in plan.slots.items() for slot, node in zip(slots, new[name])}
     )
