@@ -350,9 +350,9 @@ def pass_scaling(sizes, policies=PASS_POLICIES, samples=3) -> list[str]:
                 backend = fxgrad.backend(POLICIES[policy][0], compiler="aot_eager")
                 rewrite = backend._rewrite_backward
 
-                def timed(graph, gm, rewrite=rewrite):
+                def timed(*args, rewrite=rewrite):
                     start = time.perf_counter()
-                    rewrite(graph, gm)
+                    rewrite(*args)
                     spent.append(time.perf_counter() - start)
 
                 backend._rewrite_backward = timed
