@@ -14,9 +14,9 @@ STEPS = 20
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self, fused: bool = False) -> None:
+    def __init__(self, fused: bool = False, optimizer=None) -> None:
         super().__init__()
-        self.fused = fused
+        self.fused, self.optimizer = fused, optimizer
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
 
@@ -25,6 +25,8 @@ class Regressor(pl.LightningModule):
         return (self.net(x) - y).square().mean()
 
     def configure_optimizers(self):
+        if self.optimizer is not None:
+            return self.optimizer(self)
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, fused=self.fused)
 
 
@@ -35,8 +37,10 @@ def _data(batches: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=4)
 
 
-def _fit(*, accumulate: int = 1, logger=False, log_every: int = 50, fused: bool = False, **trainer_kwargs) -> Regressor:
-    module = Regressor(fused)
+def _fit(
+    *, accumulate: int = 1, logger=False, log_every: int = 50, fused: bool = False, optimizer=None, **trainer_kwargs
+) -> Regressor:
+    module = Regressor(fused, optimizer)
     trainer = pl.Trainer(
         max_steps=STEPS,
         accelerator="cpu",
@@ -84,6 +88,24 @@ def test_global_clip_under_a_grad_scaler(fused):
     ours = _fit(plugins=[scaled()], fused=fused, callbacks=[callback])
     for name, weight in reference.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[name], weight, rtol=1e-6, atol=1e-8, msg=name)
+
+
+def test_update_level_factor_is_the_layer_learning_rate_under_adamw():
+    """apply_to="update" through the callback: the first layer's AdamW step is 3x, as a parameter
+    group with 3x the learning rate (Lightning's closure step fires optimizer.step()'s pre-hook
+    before the backward; the callback hands the optimizer over after the policy ran)."""
+
+    def groups(module):
+        first = list(module.net[0].parameters())
+        rest = [p for layer in module.net[1:] for p in layer.parameters()]
+        return torch.optim.AdamW([{"params": first, "lr": 3e-2}, {"params": rest}], lr=1e-2)
+
+    reference = _fit(optimizer=groups)
+    policy = fxgrad.rescale(alpha=0, multipliers={"net.0": 3.0}, apply_to="update")
+    callback = FxgradCallback(policy, compiler="aot_eager")
+    ours = _fit(optimizer=lambda module: torch.optim.AdamW(module.parameters(), lr=1e-2), callbacks=[callback])
+    for name, weight in reference.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], weight, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_per_layer_policy_logs_its_stats_to_csv(tmp_path):

@@ -174,3 +174,31 @@ def test_parameter_walk_follows_every_change_to_a_model():
         change()
         after = walk([model])
         assert after is not before and after == tuple(model.parameters())
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("fold", [False, True])
+def test_no_gradient_outlives_its_step(compiler, fold):
+    """The step program, the fold and update-level factors keep no gradient (nor a weight
+    copy) alive after the step: peak memory stays the model's own."""
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    policy = fxgrad.chain(
+        fxgrad.clip_by_global_norm(0.1), fxgrad.rescale(alpha=0, multipliers={"0": 2.0}, apply_to="update")
+    )
+    backend = fxgrad.backend(policy, compiler=compiler, scope="step")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if fold:
+        backend.fold(optimizer)
+    compiled = backend.compile(model)
+    alive = []
+    for step in range(3):
+        models.loss_of(compiled(spiky(step))).backward()
+        optimizer.step()
+        alive += [weakref.ref(p.grad) for p in model.parameters()]
+        optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    assert not [ref for ref in alive if ref() is not None]
+    assert not backend._update_factors._before  # the weight copies went with the step

@@ -428,15 +428,22 @@ class Backend:
             )
         folding.give(optimizer, self.store.stat("folded_factor"))
 
-    def transform_grads(self, model: nn.Module, scaler: Any = None) -> None:
+    def transform_grads(
+        self, model: nn.Module, scaler: Any = None, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
         """Apply the policy to ``model``'s current ``.grad`` now (step scope's program).
 
         For frameworks that own the optimizer step (:mod:`fxgrad.integrations.lightning`):
         unlike :meth:`step`, the model is not remembered for later ``optimizer.step()``
-        calls. ``scaler``: the ``GradScaler`` whose scale the gradients still carry, if any.
+        calls. ``scaler``: the ``GradScaler`` whose scale the gradients still carry, if any;
+        ``optimizer``: the one about to step, which update-level factors (``apply_to="update"``)
+        scale the step of.
         """
-        if self.transform is not None:
-            self._apply_to_grads([(model, "")], scaler)
+        if self.transform is None:
+            return
+        self._apply_to_grads([(model, "")], scaler)
+        if optimizer is not None and self._update_factors is not None:
+            self._update_factors.before_step(optimizer, [(model, "")])
 
     def _step_models(self) -> list[tuple[nn.Module, str]]:
         models = [(ref(), "") for ref in self._models if ref() is not None]

@@ -51,8 +51,10 @@ class UpdateFactors:
         self._before: weakref.WeakKeyDictionary[torch.optim.Optimizer, list] = weakref.WeakKeyDictionary()
         optimizer_post_hook(self, UpdateFactors.after_step)
 
-    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        layer_of = self._layer_of()
+    def before_step(self, optimizer: torch.optim.Optimizer, models: list[tuple[nn.Module, str]] | None = None) -> None:
+        """Copy the weights ``optimizer`` is about to step that have an update factor
+        (``models``: where to find their layers, the backend's models by default)."""
+        layer_of = self._layer_of(self.models() if models is None else models)
         copies = [
             (p, layer_of[id(p)], p.detach().clone())
             for group in optimizer.param_groups
@@ -74,9 +76,8 @@ class UpdateFactors:
                     factor = factors[layer] = self.store.stat(f"{STATISTIC}/{layer}")
                 param.sub_(before).mul_(factor).add_(before)
 
-    def _layer_of(self) -> dict[int, str]:
+    def _layer_of(self, models: list[tuple[nn.Module, str]]) -> dict[int, str]:
         """``id(parameter) -> layer`` for the parameters of layers with an update factor so far."""
-        models = self.models()
         params = self._walk([model for model, _ in models])
         layers = self.store.stat_layers(STATISTIC)
         walk, known = self._layers[0] or (None, None)

@@ -117,7 +117,7 @@ class FxgradCallback(pl.Callback):
         scaler = _scaler(trainer)
         if scaler is not None and _compat.grad_scaler_unscaled(scaler, optimizer):
             scaler = None  # Lightning unscaled the gradients before this hook (not for a fused optimizer)
-        self.backend.transform_grads(pl_module, scaler)
+        self.backend.transform_grads(pl_module, scaler, optimizer)
         every = trainer.log_every_n_steps
         if trainer.loggers and every > 0 and (trainer.global_step + 1) % every == 0:  # Lightning writes logs now
             logged = selected_stats(self.backend, self.stats, self.prefix)
