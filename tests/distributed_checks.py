@@ -115,6 +115,30 @@ def ddp_exact(rank: int, world: int, policy: str) -> None:
 
 
 @on_each_rank
+def ddp_fold(rank: int, world: int) -> None:
+    """DDP's default scope with backend.fold: 5 fused AdamW steps equal one process on the whole
+    batch with clip_grad_norm_ and the same optimizer."""
+    model, x = model_and_data()
+    whole = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager")
+    ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    backend.fold(optimizer)
+    expected = torch.optim.AdamW(whole.parameters(), lr=1e-2, fused=True)
+    for _ in range(5):
+        loss(ddp(half(x, rank, world))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss(whole(x)).backward()
+        ref.clip_global(whole, 1e-2)
+        expected.step()
+        expected.zero_grad()
+    assert backend.stats()["folded_factor"].item() < 1.0  # the clip acted
+    for (name, a), b in zip(model.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@on_each_rank
 def ddp_local(rank: int, world: int, wrapper: str) -> None:
     """scope="graph" under DDP: each rank rescales its own gradient, then DDP averages."""
     model, x = model_and_data()

@@ -32,6 +32,10 @@ def test_ddp_exact_equals_one_process_on_the_whole_batch(policy):
 WRAPPERS = ["backend.compile", "torch.compile"]
 
 
+def test_ddp_fold_equals_one_process_with_clip_grad_norm():
+    launch(checks.ddp_fold)
+
+
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_ddp_local_rescales_before_the_all_reduce(wrapper):
     launch(checks.ddp_local, wrapper)

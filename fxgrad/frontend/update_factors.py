@@ -47,7 +47,7 @@ class UpdateFactors:
     def __init__(self, store: StateStore, models: Callable[[], list[tuple[nn.Module, str]]]) -> None:
         self.store, self.models = store, models
         self._walk = ModelParameters()
-        self._layers: tuple[tuple, dict[int, str]] = ((), {})  # (walk, layers), and id(parameter) -> layer
+        self._layers: tuple[tuple, dict[int, str]] = ((None, None), {})  # (walk, layers), id(parameter) -> layer
         self._before: weakref.WeakKeyDictionary[torch.optim.Optimizer, list] = weakref.WeakKeyDictionary()
         optimizer_post_hook(self, UpdateFactors.after_step)
 
@@ -80,7 +80,7 @@ class UpdateFactors:
         """``id(parameter) -> layer`` for the parameters of layers with an update factor so far."""
         params = self._walk([model for model, _ in models])
         layers = self.store.stat_layers(STATISTIC)
-        walk, known = self._layers[0] or (None, None)
+        walk, known = self._layers[0]
         if walk is not params or known != layers:
             owners = {}
             for model, prefix in models:
