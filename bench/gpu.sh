@@ -18,6 +18,7 @@ if [[ "$DEVICE" == "cuda" ]]; then
   # fused AdamW beside SGD: step scope, the fold, and eager clip_grad_norm_ on the same optimizer
   "$PYTHON" bench/run.py --models gpt2_124m --device cuda --dtype bfloat16 --optimizer adamw-fused \
     --policies global_clip --compile-policies '' --no-pass-scaling --repeats 10 --steps 10 --out bench/results/gpu_fold.md
+  "$PYTHON" bench/memory.py --model gpt2_124m --device cuda --policy global_clip | tee bench/results/gpu_memory.txt
 else
   "$PYTHON" bench/run.py --models gpt2_124m --device cpu --scale 0.1 --policies global_clip,full \
     --compile-policies global_clip --compile-samples 1 --no-pass-scaling --repeats 2 --steps 1 --out -
