@@ -33,9 +33,9 @@ import fxgrad  # noqa: E402
 VARIANTS = ("none", "graph", "step", "fold", "eager")
 
 
-def build(model_name: str, policy: str, variant: str, device: str) -> run.Variant:
+def build(model_name: str, policy: str, variant: str, device: str, scale: float) -> run.Variant:
     torch.manual_seed(0)
-    model, args, kwargs = MODELS[model_name](1.0)
+    model, args, kwargs = MODELS[model_name](scale)
     model = model.to(device)
     inputs = (tuple(a.to(device) for a in args), {k: v.to(device) for k, v in kwargs.items()})
     transform, make_eager = POLICIES[policy]
@@ -49,9 +49,9 @@ def build(model_name: str, policy: str, variant: str, device: str) -> run.Varian
     return built
 
 
-def peak(model_name: str, policy: str, variant: str, device: str, steps: int) -> float:
+def peak(model_name: str, policy: str, variant: str, device: str, steps: int, scale: float) -> float:
     """In this process: the variant's peak bytes over ``steps`` warm steps."""
-    built = build(model_name, policy, variant, device)
+    built = build(model_name, policy, variant, device, scale)
     built.first_step()
     built.step()
     if device == "cuda":
@@ -75,11 +75,12 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adamw-fused", choices=list(OPTIMIZERS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--scale", type=float, default=1.0, help="model size (bench/gpu.sh's CPU dry run shrinks it)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     options = parser.parse_args()
     run.Variant.optimizer_name = options.optimizer
     if options.variant:
-        print(peak(options.model, options.policy, options.variant, options.device, options.steps))
+        print(peak(options.model, options.policy, options.variant, options.device, options.steps, options.scale))
         return
     variants = [v for v in VARIANTS if v != "fold" or foldable(POLICIES[options.policy][0], options.optimizer)]
     peaks = {}
