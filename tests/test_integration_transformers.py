@@ -81,3 +81,21 @@ def test_conflicting_arguments_raise(tmp_path):
         Trainer(model=model, args=args, train_dataset=_data(), callbacks=[callback])
     with pytest.raises(TypeError, match="backend must be an fxgrad.backend"):
         FxgradTrainerCallback(policy)
+
+
+def test_update_level_factor_acts_through_the_trainer(tmp_path):
+    """apply_to="update" from the Trainer's optimizer step: under SGD it equals the same multiplier
+    on the gradient (and so differs from no policy)."""
+    base, weights = _gpt2(), []
+    for apply_to in ("grad", "update"):
+        model = copy.deepcopy(base)
+        policy = fxgrad.rescale(alpha=0, multipliers={"transformer.h.0.attn.c_attn": 3.0}, apply_to=apply_to)
+        args = _args(tmp_path)
+        compiled, callback = prepare(model, policy, args, compiler="aot_eager")
+        Trainer(model=compiled, args=args, train_dataset=_data(), callbacks=[callback]).train()
+        weights.append(model.state_dict())
+    plain = copy.deepcopy(base)
+    Trainer(model=plain, args=_args(tmp_path, max_grad_norm=0.0), train_dataset=_data()).train()
+    name = "transformer.h.0.attn.c_attn.weight"
+    torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-5, atol=1e-7)
+    assert (weights[1][name] - plain.state_dict()[name]).abs().max() > 1e-3
