@@ -292,13 +292,14 @@ def markdown(rows) -> str:
 
 
 def first_step_seconds(
-    model_name: str, policy: str | None, scale: float, compiler: str, device: str, dtype: str
+    model_name: str, policy: str | None, scale: float, compiler: str, device: str, dtype: str, cache: str = ""
 ) -> float:
-    """Compile and run one step in a fresh process with empty Inductor caches."""
+    """Compile and run one step in a fresh process, with the Inductor cache directory
+    ``cache`` (an empty one when not given)."""
     import subprocess
 
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+    with tempfile.TemporaryDirectory() as empty:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache or empty)
         command = [
             sys.executable,
             __file__,
@@ -327,10 +328,22 @@ def cold_compile(model_name: str, policies: list[str], samples: int, *args) -> d
     return out
 
 
+def warm_start(model_name: str, policies: list[str], *args) -> dict:
+    """policy -> its first step in a second fresh process sharing the first's Inductor cache
+    directory (a restart after a preemption), / the same for plain ``torch.compile``; None ->
+    plain ``torch.compile``'s seconds."""
+    seconds = {}
+    for policy in [None, *policies]:
+        with tempfile.TemporaryDirectory() as cache:
+            first_step_seconds(model_name, policy, *args, cache=cache)  # fills the cache
+            seconds[policy] = first_step_seconds(model_name, policy, *args, cache=cache)
+    return {p: seconds[p] / seconds[None] for p in policies} | {None: seconds[None]}
+
+
 def run_first_step(model_name: str, policy: str, scale: float, compiler: str, device: str) -> None:
     variants = build_variants(model_name, [] if policy == "none" else [policy], scale, compiler, device)
-    variant = variants[0] if policy == "none" else variants[1]
-    print(variant.first_step()[0])
+    name = "compiled" if policy == "none" else f"fxgrad {policy}"
+    print(next(v for v in variants if v.name == name).first_step()[0])
 
 
 PASS_POLICIES = ("global_clip", "full", "agc", "sinkhorn")
@@ -402,6 +415,11 @@ def main() -> None:
         help="every variant's optimizer; adamw-fused adds the fold variant (backend.fold)",
     )
     parser.add_argument("--no-pass-scaling", action="store_true", help="skip the pass-time measurement")
+    parser.add_argument(
+        "--compile-times",
+        action="store_true",
+        help="only cold and warm first steps of --compile-policies (fresh processes), no step timing",
+    )
     parser.add_argument("--first-step", nargs=2, metavar=("MODEL", "POLICY"), help=argparse.SUPPRESS)
     parser.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -427,15 +445,19 @@ def main() -> None:
     rows, notes = [], []
     for model_name in filter(None, options.models.split(",")):  # --models "": pass time only
         _compat.reset_dynamo()
-        cold = cold_compile(
-            model_name,
-            [p for p in options.compile_policies.split(",") if p in policies],
-            options.compile_samples,
-            scale,
-            options.compiler,
-            options.device,
-            options.dtype,
-        )
+        timed = [p for p in options.compile_policies.split(",") if p in policies]
+        first_args = (scale, options.compiler, options.device, options.dtype)
+        cold = cold_compile(model_name, timed, options.compile_samples, *first_args)
+        if options.compile_times:
+            warm = warm_start(model_name, timed, *first_args)
+            for policy in timed:
+                print(
+                    f"{model_name} {policy}: cold first step / plain torch.compile's {cold[policy]:.2f} "
+                    f"(plain {cold[None]:.1f} s, median of {options.compile_samples}); warm (a second process, "
+                    f"same Inductor cache) {warm[policy]:.2f} (plain {warm[None]:.1f} s, one sample)",
+                    flush=True,
+                )
+            continue
         variants = build_variants(model_name, policies, scale, options.compiler, options.device)
         first = measure(variants, repeats, steps)
         model_rows, base, control = report_rows(model_name, policies, variants, first, cold)
@@ -446,6 +468,8 @@ def main() -> None:
             f"{cold[None]:.1f} s without a policy"
         )
         print(markdown(model_rows), flush=True)
+    if options.compile_times:
+        return
 
     command = "python bench/run.py " + shlex.join(sys.argv[1:])
     gpu = torch.cuda.get_device_name() if options.device == "cuda" else None
