@@ -407,10 +407,16 @@ class Backend:
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
                 warnings.warn(why, CoverageWarning, stacklevel=4)
+        folded = optimizer in self._folded
+        if folded:
+            self._check_folded_step(optimizer, args, kwargs)  # first: a refused step keeps no weight copy
         if self._update_factors is not None:
             self._update_factors.before_step(optimizer)
-        if optimizer not in self._folded:
-            return
+        if folded:
+            folding.give(optimizer, self.store.stat("folded_factor"))
+
+    def _check_folded_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Refuse a step of a folded optimizer whose gradients the folded factor does not describe."""
         if self.current_scope() == "graph":
             backwards, self._folded[optimizer] = self._backwards - self._folded[optimizer], self._backwards
             if backwards > 1:
@@ -426,7 +432,6 @@ class Backend:
                 "fold: optimizer.step(closure) computes the gradients after fxgrad's policy ran on the old "
                 "ones; step without a closure, or do not fold this optimizer"
             )
-        folding.give(optimizer, self.store.stat("folded_factor"))
 
     def transform_grads(
         self, model: nn.Module, scaler: Any = None, optimizer: torch.optim.Optimizer | None = None
@@ -441,7 +446,8 @@ class Backend:
         """
         if self.transform is None:
             return
-        self._apply_to_grads([(model, "")], scaler)
+        models = [(model, "")]
+        self._apply_to_grads(models, scaler, self._step.parameters(models))  # the kept walk: this runs every step
         if optimizer is not None and self._update_factors is not None:
             self._update_factors.before_step(optimizer, [(model, "")])
 
