@@ -14,9 +14,14 @@
 * ``fold`` (with ``--optimizer adamw-fused``, for policies of one global factor): exact,
   with ``backend.fold(optimizer)``: the factor rides in the fused update's ``grad_scale``.
 
+With ``--fsdp2`` each block and the model are ``fully_shard``-ed instead (FSDP2,
+gradients sharded on dim 0) and compiled whole; there is no ``local``, and
+``exact eager`` is ``exact`` with the rules run on the DTensors one op at a time
+(what step scope did before its program took FSDP2's local shards).
+
 Prints step-time ratios (median over repeats of per-repeat ratios, rank 0).
 
-    python bench/ddp.py [--policy rescale] [--optimizer sgd] [--repeats 10] [--steps 5]
+    python bench/ddp.py [--policy rescale] [--optimizer sgd] [--repeats 10] [--steps 5] [--fsdp2]
 """
 
 from __future__ import annotations
@@ -49,11 +54,13 @@ def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> Non
     torch.manual_seed(0)
     base, args, kwargs = MODELS[options.model](options.scale)
     transform, make_eager = POLICIES[options.policy]
-    names = ["none", "none again", "eager", "local", "exact"]
-    names += ["fold"] if foldable(transform, options.optimizer) else []
+    names = ["none", "none again", "eager"] + (["exact eager", "exact"] if options.fsdp2 else ["local", "exact"])
+    names += ["fold"] if foldable(transform, options.optimizer) and not options.fsdp2 else []
     variants = {}
     for name in names:
         model = copy.deepcopy(base)
+        if options.fsdp2:
+            shard(model)
         backend, after_backward = None, lambda: None
         if name in ("none", "none again", "eager"):
             compiled = torch.compile(model)
@@ -64,7 +71,9 @@ def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> Non
             local = name == "local"
             backend = fxgrad.backend(transform, scope="graph" if local else "step", strict=not local)
             compiled = backend.compile(model)
-        ddp = nn.parallel.DistributedDataParallel(compiled)
+            if name == "exact eager":
+                backend._programs.run = lambda *args: False  # the rules on the DTensors, one op at a time
+        ddp = compiled if options.fsdp2 else nn.parallel.DistributedDataParallel(compiled)
         optimizer = OPTIMIZERS[options.optimizer](model.parameters())
         if name == "fold":
             backend.fold(optimizer)
@@ -92,12 +101,26 @@ def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> Non
         def ratio(a: str, b: str) -> float:
             return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
-        print(f"model {options.model}, policy {options.policy}, optimizer {options.optimizer}, {world} processes")
+        setup = f"model {options.model}, policy {options.policy}, optimizer {options.optimizer}, {world} processes"
+        print(f"{'FSDP2' if options.fsdp2 else 'DDP'}, {setup}")
         print(f"step without a policy: {statistics.median(times['none']) * 1e3:.1f} ms")
-        for a, b in [(n, "none") for n in names[1:]] + [("local", "exact"), ("exact", "eager"), ("fold", "eager")]:
+        pairs = [("local", "exact"), ("exact", "eager"), ("fold", "eager"), ("exact", "exact eager")]
+        for a, b in [(n, "none") for n in names[1:]] + pairs:
             if a in times:
                 print(f"{a} / {b}: {ratio(a, b):.3f}")
     dist.destroy_process_group()
+
+
+def shard(model: nn.Module) -> None:
+    """FSDP2 over ``model``: each child that holds parameters, then the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if module is not model and isinstance(module, (nn.ModuleList, nn.Sequential)):
+            for block in module:
+                if any(True for _ in block.parameters()):
+                    fully_shard(block)
+    fully_shard(model)
 
 
 def main() -> None:
@@ -108,6 +131,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--fsdp2", action="store_true", help="FSDP2 instead of DDP")
     options = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

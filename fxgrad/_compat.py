@@ -39,6 +39,7 @@ __all__ = [
     "tensor_version",
     "foreach_norm",
     "data_parallel_world_size",
+    "all_reduce",
     "compiled_autograd_requested",
     "compiled_autograd",
     "aot_eager_compile",
@@ -388,6 +389,15 @@ def data_parallel_world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce(value: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    """``value`` all-reduced (``op``: ``"sum"``, ``"max"``) over the process group named
+    ``group``, as the functional collective ops a traced graph records and Inductor
+    compiles (the public ``torch.distributed._functional_collectives`` wraps the
+    same ops in a tensor subclass that waits lazily)."""
+    functional = torch.ops._c10d_functional
+    return functional.wait_tensor(functional.all_reduce(value, op, group))
 
 
 # ---------------------------------------------------------------------------

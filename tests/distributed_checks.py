@@ -219,9 +219,11 @@ def auto_scope_is_exact(rank: int, world: int, wrapper: str) -> None:
 
 
 @on_each_rank
-def fsdp2(rank: int, world: int, policy: str, wrapper: str | None = None) -> None:
+def fsdp2(rank: int, world: int, policy: str, wrapper: str | None = None, compiler: str = "aot_eager") -> None:
     """scope="step" on FSDP2's sharded DTensor gradients: norms over whole layers.
 
+    The compiled step program runs the local shards, all-reducing the layer norms; a
+    policy with a rule that reads whole rows runs eagerly on the DTensors, and says so.
     With ``wrapper``, the sharded model is compiled with the backend and
     ``optimizer.step()`` applies the policy; without, ``backend.step(model)``."""
     from torch.distributed.fsdp import fully_shard
@@ -233,18 +235,68 @@ def fsdp2(rank: int, world: int, policy: str, wrapper: str | None = None) -> Non
         if any(True for _ in layer.parameters()):
             fully_shard(layer)
     fully_shard(model)
-    backend = fxgrad.backend(make(), compiler="aot_eager", scope="step")
+    backend = fxgrad.backend(make(), compiler=compiler, scope="step")
     forward = model if wrapper is None else compiled(model, backend, wrapper)
     loss(forward(half(x, rank, world))).backward()
-    if wrapper is None:
-        backend.step(model)
-    torch.optim.SGD(model.parameters(), lr=0.0).step()  # applies the policy, unless already applied
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if wrapper is None:
+            backend.step(model)
+        torch.optim.SGD(model.parameters(), lr=0.0).step()  # applies the policy, unless already applied
+    eager = [str(w.message) for w in caught if "runs the policy eagerly" in str(w.message)]
+    local = policy not in ("agc", "sinkhorn")  # they read whole rows and columns
+    assert len(backend._programs._programs) == int(local), "the compiled program runs the local shards"
+    assert len(eager) == int(not local), eager  # the fallback is said, once
     loss(whole(x)).backward()
     reference(whole)
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
         torch.testing.assert_close(
             p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5 * q.grad.abs().max().item(), msg=name
         )
+
+
+@on_each_rank
+def fsdp2_program_steps(rank: int, world: int, compiler: str) -> None:
+    """The compiled step program on FSDP2's local shards equals the same policy in one process
+    on the whole gradients, step by step, state and statistics included: a skipped
+    non-finite step (a NaN in rank 0's shard only), ZClip's warm-up and EMAs, and a layer
+    whose one output row leaves rank 1 with empty shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    def policy():
+        return fxgrad.chain(
+            fxgrad.skip_nonfinite(), fxgrad.monitor(), fxgrad.rescale(alpha=0.5), fxgrad.zclip(warmup=2)
+        )
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 3), nn.GELU(), nn.Linear(3, 1))
+    whole = copy.deepcopy(model)
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    sharded = fxgrad.backend(policy(), compiler=compiler, scope="step")
+    single = fxgrad.backend(policy(), compiler="aot_eager", scope="step")
+    for step in range(5):
+        x = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(step)) * (1 + 9 * (step == 3))
+        for m in (model, whole):
+            m.zero_grad()
+        loss(model(half(x, rank, world))).backward()
+        loss(whole(x)).backward()
+        if step == 2:
+            whole[0].weight.grad[0, 0] = float("nan")
+            if rank == 0:
+                model[0].weight.grad.to_local()[0, 0] = float("nan")
+        sharded.step(model)
+        single.step(whole)
+        for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+            atol = 1e-5 * q.grad.abs().max().item() + 1e-12
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=atol, msg=f"step {step}: {name}")
+        got, want = sharded.stats(), single.stats()
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-7, msg=f"step {step}: {key}")
+    assert len(sharded._programs._programs) == 1
+    assert sharded.stats()["nonfinite_steps"].item() == 1.0
 
 
 class LlamaBlock(nn.Module):

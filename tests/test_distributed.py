@@ -56,6 +56,11 @@ def test_fsdp2_norms_span_the_shards(policy):
     launch(checks.fsdp2, policy)
 
 
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_fsdp2_step_program_on_local_shards_equals_one_process(compiler):
+    launch(checks.fsdp2_program_steps, compiler)
+
+
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_fsdp2_compiled_model_needs_no_backend_step(wrapper):
     launch(checks.fsdp2, "global_clip", wrapper)

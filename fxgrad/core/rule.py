@@ -94,6 +94,12 @@ class Leaf(Transform):
       optimizer's update: ``"global"`` (one factor for every gradient: a fused
       optimizer's ``grad_scale`` takes it), ``"identity"`` (it changes no
       gradient), ``None`` (not yet: the gradients are scaled in a pass).
+    * ``local_shards``: it computes on each rank's shard of FSDP2's gradients what it
+      computes on the whole gradients: each reduction over a gradient covers all of it
+      and goes through :func:`~fxgrad.runtime.norm_math.over_shards` (which all-reduces
+      it), the rest is elementwise or per layer, and it reads weights only as whole-layer
+      norms (``ctx.weight_norms()``). Step scope then runs it in the compiled program over
+      the local shards; a policy with another leaf runs eagerly on the DTensors.
     * ``apply_to``: ``"grad"``, or ``"update"`` when the leaf's factors multiply the
       optimizer's update instead of the gradient (a per-layer learning-rate scale, see
       :mod:`fxgrad.frontend.update_factors`). Scale rules that offer both declare it
@@ -105,6 +111,7 @@ class Leaf(Transform):
     hides_nonfinite: ClassVar[bool] = False
     backs_off: ClassVar[bool] = False
     folds: ClassVar[Literal["global", "identity"] | None] = None
+    local_shards: ClassVar[bool] = False
     apply_to: ClassVar[Literal["grad", "update"]] = "grad"
     name: ClassVar[str] = "leaf"
 
@@ -162,6 +169,7 @@ class ScaleLeaf(Leaf):
     """
 
     norm_orders: tuple[float, ...] = (2.0,)
+    local_shards = True  # its factors see whole-layer norms only
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         """One factor per layer, from ``stats[i]``, the (unscaled) norms of ``layers[i]``.

@@ -10,7 +10,16 @@ write, so nothing recompiles when they change, and nothing syncs::
 
     programs = StepPrograms("inductor")
     if not programs.run(routes, owners, store, scaler):
-        ...  # DTensor gradients, or a build that failed: run the rules eagerly
+        ...  # a layout or policy it does not run, or a build that failed: run the rules eagerly
+
+FSDP2's gradients are DTensors sharded on dim 0 over a 1-D mesh. The program
+takes each rank's local shards; the reductions over the gradients (the layer
+norms) are all-reduced over the mesh inside it, all layers' at once
+(:func:`~fxgrad.runtime.norm_math.local_shards`). That holds for the rules whose
+math needs nothing else of the other shards (:attr:`~fxgrad.core.rule.Leaf.local_shards`).
+Other DTensor gradients (tensor parallelism, HSDP's 2-D mesh, replicated
+placements) and the other rules (``adaptive_grad_clip``, ``sinkhorn``,
+``balance_norms``) run eagerly on the DTensors, after one warning.
 
 With ``compiler="aot_eager"`` the recorded graph runs as plain FX code (what
 the tests exercise quickly); with ``"inductor"`` it is compiled.
@@ -18,17 +27,20 @@ the tests exercise quickly); with ``"inductor"`` it is compiled.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
 
 from fxgrad import _compat
 from fxgrad.core.layers import Owner
 from fxgrad.core.rule import Route
 from fxgrad.frontend.rewrite import record_policy
+from fxgrad.runtime import norm_math
 from fxgrad.runtime.state import StateStore
 
 
@@ -39,6 +51,7 @@ class StepPrograms:
         self.compiler = compiler
         self._programs: dict[tuple, Callable[..., Any]] = {}
         self._broken: str | None = None  # why building failed; then every step runs eagerly
+        self._told_eager = False  # whether the warning that DTensor gradients run eagerly was given
         self._weights: dict[str, torch.Tensor] = {}  # while a program runs: its parameters, by name
         self._routes: tuple[tuple, Any] | None = None  # the last step's key and routes
         self._routings: dict[tuple, int] = {}  # routes and parameter names -> a small int, for program keys
@@ -75,16 +88,23 @@ class StepPrograms:
         layer as the routes expect (``fold``: all but the global factor, see
         :func:`~fxgrad.runtime.executor.run_policy`); ``False`` if it cannot (the caller then
         runs the rules eagerly)."""
-        grads = [o.tensor.grad for o in owners]
-        if self._broken is not None or any(type(g) is not torch.Tensor for g in grads):  # DTensor: eager
+        if self._broken is not None:
             return False
-        key = self._routing(routes, owners), _layout(grads), scaler is not None, fold
+        grads = [o.tensor.grad for o in owners]
+        group = None
+        if any(type(g) is not torch.Tensor for g in grads):
+            group, why = _shard_group(grads, routes)
+            if group is None:
+                self._eager(why)
+                return False
+            grads = [g.to_local() for g in grads]
+        key = self._routing(routes, owners), _layout(grads), group, scaler is not None, fold
         self._weights = {o.param: o.tensor for o in owners}  # what weight-reading rules read, this step
         try:
             program = self._programs.get(key)
             if program is None:
                 try:
-                    program = self._build(routes, owners, store, scaler, fold)
+                    program = self._build(routes, owners, grads, group, store, scaler, fold)
                 except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
                     self._broken = f"{type(error).__name__}: {error}"
                     warnings.warn(
@@ -101,6 +121,18 @@ class StepPrograms:
             self._weights = {}
         return True
 
+    def _eager(self, why: str) -> None:
+        """Say once that DTensor gradients run the rules eagerly, one op at a time."""
+        if not self._told_eager:
+            self._told_eager = True
+            warnings.warn(
+                f"fxgrad: scope='step' runs the policy eagerly on these DTensor gradients, one op at a time: "
+                f"{why}. The compiled step program takes FSDP2's gradients (sharded on a 1-D mesh) under "
+                "the rules that need nothing else of the other shards (see fxgrad.frontend.step_program).",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+
     def _routing(self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner]) -> int:
         """The program key's part for ``routes`` over ``owners``' parameter names (not the
         parameters themselves: weights are read by name at run time, so replaced ones are
@@ -112,11 +144,21 @@ class StepPrograms:
         return self._last_routing[1]
 
     def _build(
-        self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner], store: StateStore, scaler: Any, fold: bool
+        self,
+        routes: Sequence[tuple[int, Route]],
+        owners: Sequence[Owner],
+        grads: Sequence[torch.Tensor],
+        group: str | None,
+        store: StateStore,
+        scaler: Any,
+        fold: bool,
     ) -> Callable[..., Any]:
-        gm, inputs = _gradient_graph(owners)
+        """The program over ``grads`` (``owners``' gradients, or their local shards over the
+        process group named ``group``)."""
+        gm, inputs = _gradient_graph(owners, grads)
         lookup = lambda names: [self._weights[name] for name in names]  # noqa: E731
-        new = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold, per_step=True)
+        with norm_math.local_shards(group) if group is not None else contextlib.nullcontext():
+            new = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold, per_step=True)
         output = gm.graph.output_node()
         with gm.graph.inserting_before(output):
             for layer, nodes in inputs.items():
@@ -125,19 +167,38 @@ class StepPrograms:
                         gm.graph.call_function(torch.ops.aten.copy_.default, (node, result))
         gm.recompile()
         if self.compiler == "inductor":
-            return _compat.inductor_compile_program(gm, [o.tensor.grad for o in owners])
+            return _compat.inductor_compile_program(gm, list(grads))
         return gm
 
 
-def _gradient_graph(owners: Sequence[Owner]) -> tuple[torch.fx.GraphModule, dict[str, list[torch.fx.Node]]]:
-    """A graph with one input per gradient (fake values like the real ones), in ``owners``
-    order, and no output; its inputs by layer."""
+def _shard_group(grads: Sequence[torch.Tensor], routes: Sequence[tuple[int, Route]]) -> tuple[str | None, str]:
+    """The name of the process group ``grads`` (some of them DTensors) are sharded over, if the
+    program can run ``routes`` on their local shards; else ``None`` and why not."""
+    if not all(isinstance(g, DTensor) for g in grads):
+        return None, "some gradients are DTensors and some are not"
+    meshes = {g.device_mesh for g in grads}
+    mesh = meshes.pop()
+    if meshes or mesh.ndim != 1:
+        return None, "the gradients are not all on one 1-D device mesh (tensor parallelism, HSDP)"
+    if not all(isinstance(g.placements[0], Shard) for g in grads):
+        return None, "some gradients are not sharded (Replicate or Partial placements)"
+    whole = sorted({route.leaf.name for _, route in routes if not route.leaf.local_shards})
+    if whole:
+        return None, f"the policy's {', '.join(whole)} read(s) more of a gradient than the rank's shard"
+    return mesh.get_group().group_name, ""
+
+
+def _gradient_graph(
+    owners: Sequence[Owner], grads: Sequence[torch.Tensor]
+) -> tuple[torch.fx.GraphModule, dict[str, list[torch.fx.Node]]]:
+    """A graph with one input per gradient of ``grads`` (fake values like them; ``owners``
+    give their layers), and no output; its inputs by layer."""
     graph = torch.fx.Graph()
     fake_mode = _compat.new_fake_mode()
     inputs: dict[str, list[torch.fx.Node]] = {}
-    for i, owner in enumerate(owners):
+    for i, (owner, grad) in enumerate(zip(owners, grads)):
         node = graph.placeholder(f"grad_{i}")
-        node.meta["val"] = fake_mode.from_tensor(owner.tensor.grad)
+        node.meta["val"] = fake_mode.from_tensor(grad)
         inputs.setdefault(owner.layer, []).append(node)
     graph.output(None)
     return torch.fx.GraphModule(nn.Module(), graph), inputs

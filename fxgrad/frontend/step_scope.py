@@ -15,8 +15,9 @@ optimizer step instead::
 
 The same plain-torch rules run as one compiled program over the gradients
 (:mod:`fxgrad.frontend.step_program`), state and statistics included; nothing
-syncs with the host. DTensor gradients (FSDP2, tensor parallelism) run the rules
-eagerly: norms are reduced over the shards (DTensor all-reduces the partial sums).
+syncs with the host. Under FSDP2 the program takes each rank's local shards and
+all-reduces the layer norms inside it; other DTensor gradients (tensor parallelism)
+run the rules eagerly, where DTensor all-reduces the partial sums.
 
 ``backend.step()`` is optional when a ``torch.optim`` optimizer steps the
 model: :class:`StepScope` hooks ``optimizer.step()`` and runs the policy there

@@ -247,6 +247,7 @@ class AdaGC(Leaf):
 
     name = "adagc"
     reach = "group"  # the warm-up clips the global norm
+    local_shards = True
     per_layer = False
 
     lambda_abs: float = 1.0
@@ -270,7 +271,7 @@ class AdaGC(Leaf):
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
         flat_grads = [g for group in grads for g in group]
         # one norm per tensor, unscaled, as a float64 vector
-        sums = torch.stack([norm_math.replicated(norm_math.power_sum([g], 2.0)) for g in flat_grads])
+        sums = torch.stack(norm_math.over_shards([norm_math.power_sum([g], 2.0) for g in flat_grads]))
         norms = sums.to(torch.float64).sqrt()
         if ctx.scale is not None:
             norms = norms / ctx.scale

@@ -105,6 +105,7 @@ class ClipByValue(Leaf):
 
     name = "clip_by_value"
     reach = "element"
+    local_shards = True
     backs_off = True
 
     clip_value: float

@@ -20,7 +20,7 @@ from fxgrad.core import validate
 from fxgrad.core.layers import Layer
 from fxgrad.core.rule import LayerGrads, Leaf, field, rule
 from fxgrad.runtime.context import RouteContext
-from fxgrad.runtime.norm_math import like, replicated
+from fxgrad.runtime.norm_math import abs_max, like, over_shards
 from fxgrad.runtime.state import flat
 
 
@@ -38,6 +38,7 @@ class ZeroNonfinite(Leaf):
 
     name = "zero_nonfinite"
     reach = "element"
+    local_shards = True
     per_layer = False
     hides_nonfinite = True
 
@@ -45,9 +46,9 @@ class ZeroNonfinite(Leaf):
         counts, out = [], []
         for group in grads:
             bad = [~torch.isfinite(g) for g in group]
-            counts.append(replicated(sum(b.sum() for b in bad)))  # DTensor: counted over the shards
+            counts.append(sum(b.sum() for b in bad))
             out.append([g.masked_fill(b, 0) for g, b in zip(group, bad)])
-        per_layer = flat(counts)
+        per_layer = flat(over_shards(counts))
         ctx.emit_per_layer("nonfinite", per_layer)
         ctx.emit("nonfinite_elements", per_layer.sum())
         return out
@@ -87,6 +88,7 @@ class SkipNonfinite(Leaf):
     reach = "group"
     per_layer = False
     hides_nonfinite = True
+    local_shards = True
 
     backoff: float | None = field(None, shown=lambda rule: rule.backoff is not None)
     growth_interval: int | None = field(None, shown=lambda rule: rule.growth_interval is not None)
@@ -107,7 +109,7 @@ class SkipNonfinite(Leaf):
             )
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
-        finite = [torch.isfinite(replicated(g.abs().amax())) for group in grads for g in group]
+        finite = [torch.isfinite(m) for m in over_shards([abs_max(g) for group in grads for g in group], "max")]
         bad = ~functools.reduce(torch.logical_and, finite)
         if self.backoff is None:
             state = ctx.state(shared={"steps": ((), 0.0)})

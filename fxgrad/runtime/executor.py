@@ -107,18 +107,15 @@ class Executor:
 
     def norms_now(self, names: Sequence[str], orders: Sequence[float]) -> list[norm_math.NormStats]:
         """Unscaled norm statistics of the current gradients of ``names``."""
-        out = []
-        for name in names:
-            known = self._norms.get(name)
-            if known is not None and all(p in known[0].sums for p in orders):
-                out.append(known[0].scaled(known[1]) if not _is_one(known[1]) else known[0])
-            else:
-                stats = norm_math.NormStats.of(self.grads[name], orders)
-                if self.inverse_scale is not None:
-                    stats = stats.scaled(self.inverse_scale)
-                self._norms[name] = (stats, 1.0)
-                out.append(stats)
-        return out
+        unknown = [name for name in names if not self._known(name, orders)]
+        for name, stats in zip(unknown, norm_math.layer_stats([self.grads[name] for name in unknown], orders)):
+            self._norms[name] = (stats if self.inverse_scale is None else stats.scaled(self.inverse_scale), 1.0)
+        known = [self._norms[name] for name in names]
+        return [stats if _is_one(factor) else stats.scaled(factor) for stats, factor in known]
+
+    def _known(self, name: str, orders: Sequence[float]) -> bool:
+        known = self._norms.get(name)
+        return known is not None and all(p in known[0].sums for p in orders)
 
     def at_end(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` after the last route (e.g. to read the final norms)."""

@@ -6,21 +6,30 @@ addition, and scaling a layer's gradients by ``f`` scales its power sum by
 ``f^p``, so a chain of scaling transforms needs the gradients read once.
 
     >>> import torch
-    >>> stats = NormStats.of([torch.ones(4), torch.ones(5)], (2.0,))
+    >>> stats, = layer_stats([[torch.ones(4), torch.ones(5)]], (2.0,))
     >>> stats.norm(2.0)
     tensor(3.)
     >>> group_norm([stats, stats.scaled(torch.tensor(2.0))], 2.0)
     tensor(6.7082)
+
+Every reduction over a whole gradient reaches the other ranks' shards through
+:func:`over_shards`: DTensor gradients (FSDP2, tensor parallelism) all-reduce
+their partial values one by one, and the step program over FSDP2's local
+shards (:func:`local_shards`) all-reduces them all at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Literal, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
+
+from fxgrad import _compat
 
 Factor = torch.Tensor | float
 
@@ -58,12 +67,17 @@ def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     """``sum |t|^p`` over all elements (``max |t|`` for ``p = inf``), a 0-dim tensor."""
     wide = [widen(magnitude(t)) for t in tensors]
     if math.isinf(p):
-        return _reduce([t.abs().amax() for t in wide], torch.maximum)
+        return _reduce([abs_max(t) for t in wide], torch.maximum)
     if p == 2.0:
         return _reduce([(t * t).sum() for t in wide], torch.add)
     if p == 1.0:
         return _reduce([t.abs().sum() for t in wide], torch.add)
     return _reduce([t.abs().pow(p).sum() for t in wide], torch.add)
+
+
+def abs_max(tensor: torch.Tensor) -> torch.Tensor:
+    """``max |tensor|``, 0 for an empty tensor (a rank's shard of a short FSDP2 parameter)."""
+    return tensor.abs().amax() if tensor.numel() else tensor.new_zeros((), dtype=tensor.real.dtype)
 
 
 def l2(tensor: torch.Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> torch.Tensor:
@@ -104,10 +118,6 @@ class NormStats:
         self.sums = sums
         self._norms: dict[float, torch.Tensor] = {}
 
-    @classmethod
-    def of(cls, grads: Sequence[torch.Tensor], orders: Iterable[float]) -> NormStats:
-        return cls({p: replicated(power_sum(grads, p)) for p in orders})
-
     def norm(self, p: float) -> torch.Tensor:
         if p not in self._norms:
             self._norms[p] = root(self.sums[p], p)
@@ -123,6 +133,13 @@ def _power(factor: Factor, p: float) -> Factor:
     if math.isinf(p) or p == 1.0:
         return factor
     return factor * factor if p == 2.0 else factor**p
+
+
+def layer_stats(layers: Sequence[Sequence[torch.Tensor]], orders: Sequence[float]) -> list[NormStats]:
+    """The :class:`NormStats` of each layer's gradients (``layers[i]``), over all their shards."""
+    local = [[power_sum(grads, p) for p in orders] for grads in layers]
+    sums = [over_shards([row[i] for row in local], "max" if math.isinf(p) else "sum") for i, p in enumerate(orders)]
+    return [NormStats({p: sums[i][k] for i, p in enumerate(orders)}) for k in range(len(layers))]
 
 
 def group_norm(stats: Sequence[NormStats], p: float) -> torch.Tensor:
@@ -145,6 +162,33 @@ def scaled(tensors: Sequence[torch.Tensor], factor: Factor) -> list[torch.Tensor
 def replicated(value: torch.Tensor) -> torch.Tensor:
     """A plain tensor: a DTensor's reduction (partial over shards) is all-reduced first."""
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+_SHARDS: contextvars.ContextVar[str | None] = contextvars.ContextVar("fxgrad_local_shards", default=None)
+
+
+@contextlib.contextmanager
+def local_shards(group: str) -> Iterator[None]:
+    """Within the block, the gradients are this rank's shards of gradients sharded over the
+    process group named ``group`` (FSDP2's, as plain local tensors): :func:`over_shards`
+    all-reduces over it."""
+    token = _SHARDS.set(group)
+    try:
+        yield
+    finally:
+        _SHARDS.reset(token)
+
+
+def over_shards(values: Sequence[torch.Tensor], op: Literal["sum", "max"] = "sum") -> list[torch.Tensor]:
+    """``values``, 0-dim reductions (by ``op``) each over all of a gradient or of several, as
+    plain tensors reduced over every rank's shard of those gradients.
+
+    DTensor values are all-reduced one by one (DTensor tracks the partial); values of local
+    shards (:func:`local_shards`) by one all-reduce of them stacked; other values are whole."""
+    group = _SHARDS.get()
+    if group is not None and values:
+        return list(_compat.all_reduce(torch.stack(list(values)), op, group).unbind())
+    return [replicated(value) for value in values]
 
 
 def like(tensor: torch.Tensor, factor: Factor) -> Factor:
