@@ -38,12 +38,13 @@ test-fast: setup
 fuzz: setup  # a longer random search of tests/test_fuzz.py; FXGRAD_FUZZ_EXAMPLES=N sets its length
 	FXGRAD_FUZZ=deep $(PY) -m pytest -q tests/test_fuzz.py --hypothesis-show-statistics
 
-bench: setup  # SGD, then fused AdamW with the fold, then DDP on 2 processes
+bench: setup  # SGD, then fused AdamW with the fold, then DDP and FSDP2 on 2 processes
 	$(PY) bench/run.py
 	$(PY) bench/run.py --models deep_mlp,gpt2,resnet --policies global_clip --optimizer adamw-fused \
 		--no-pass-scaling --compile-policies '' --out bench/results/fold.md
 	for policy in global_clip full; do \
 		$(PY) bench/ddp.py --policy $$policy --optimizer adamw-fused || exit 1; \
+		$(PY) bench/ddp.py --fsdp2 --policy $$policy --steps 3 || exit 1; \
 	done
 
 clean:
