@@ -115,13 +115,23 @@ def ddp_exact(rank: int, world: int, policy: str) -> None:
 
 
 @on_each_rank
-def ddp_fold(rank: int, world: int) -> None:
-    """DDP's default scope with backend.fold: 5 fused AdamW steps equal one process on the whole
-    batch with clip_grad_norm_ and the same optimizer."""
+def ddp_fold(rank: int, world: int, wrapper: str = "ddp") -> None:
+    """The default scope with backend.fold under DDP (``wrapper="ddp"``) or FSDP2 (``"fsdp2"``,
+    the step program on local shards): 5 fused AdamW steps equal one process on the whole batch
+    with clip_grad_norm_ and the same optimizer."""
     model, x = model_and_data()
     whole = copy.deepcopy(model)
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager")
-    ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
+    if wrapper == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(model)
+        ddp = backend.compile(model)
+    else:
+        ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     backend.fold(optimizer)
     expected = torch.optim.AdamW(whole.parameters(), lr=1e-2, fused=True)
@@ -135,6 +145,7 @@ def ddp_fold(rank: int, world: int) -> None:
         expected.zero_grad()
     assert backend.stats()["folded_factor"].item() < 1.0  # the clip acted
     for (name, a), b in zip(model.named_parameters(), whole.parameters()):
+        a = a.full_tensor() if wrapper == "fsdp2" else a
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
 
 

@@ -32,8 +32,9 @@ def test_ddp_exact_equals_one_process_on_the_whole_batch(policy):
 WRAPPERS = ["backend.compile", "torch.compile"]
 
 
-def test_ddp_fold_equals_one_process_with_clip_grad_norm():
-    launch(checks.ddp_fold)
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_fold_equals_one_process_with_clip_grad_norm(wrapper):
+    launch(checks.ddp_fold, wrapper)
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)

@@ -150,7 +150,8 @@ class ForwardWatch:
         self._runs_before = self.graph_runs()
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.graph_runs() == self._runs_before and (self._first or torch.is_grad_enabled()):
+        ran_eagerly = self.graph_runs() == self._runs_before and (self._first or torch.is_grad_enabled())
+        if ran_eagerly and self.in_graph():  # step scope runs the policy on .grad all the same
             self.coverage.ran_eagerly(self.model, self._first)
         self._first = False
         if not torch.is_grad_enabled() or not self.in_graph():
