@@ -341,8 +341,11 @@ def warm_start(model_name: str, policies: list[str], *args) -> dict:
 
 
 def run_first_step(model_name: str, policy: str, scale: float, compiler: str, device: str) -> None:
+    """Print the first step's seconds of ``policy``'s fxgrad variant (``step:<policy>``: in step
+    scope), or of plain ``torch.compile`` for ``"none"``."""
+    scope, _, policy = policy.rpartition(":")
     variants = build_variants(model_name, [] if policy == "none" else [policy], scale, compiler, device)
-    name = "compiled" if policy == "none" else f"fxgrad {policy}"
+    name = "compiled" if policy == "none" else f"fxgrad {scope + ' ' if scope else ''}{policy}"
     print(next(v for v in variants if v.name == name).first_step()[0])
 
 
@@ -393,7 +396,7 @@ def main() -> None:
     parser.add_argument(
         "--compile-policies",
         default="global_clip,full",
-        help="policies whose cold compile time is measured (fresh process each)",
+        help="policies whose cold compile time is measured (fresh process each); step:<policy> in step scope",
     )
     parser.add_argument(
         "--compile-samples",
@@ -445,7 +448,7 @@ def main() -> None:
     rows, notes = [], []
     for model_name in filter(None, options.models.split(",")):  # --models "": pass time only
         _compat.reset_dynamo()
-        timed = [p for p in options.compile_policies.split(",") if p in policies]
+        timed = [p for p in options.compile_policies.split(",") if p.rpartition(":")[2] in policies]
         first_args = (scale, options.compiler, options.device, options.dtype)
         cold = cold_compile(model_name, timed, options.compile_samples, *first_args)
         if options.compile_times:

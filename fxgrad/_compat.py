@@ -193,9 +193,15 @@ def inductor_compile_program(gm: torch.fx.GraphModule, example_inputs: list) -> 
     """Compile a graph that is no model's forward (the step program) with Inductor.
 
     Called with the inputs as positional arguments; mutations of inputs recorded
-    as ``aten.copy_`` write into the caller's tensors.
+    as ``aten.copy_`` write into the caller's tensors. It runs in a tracing context
+    whose fake mode has a shape environment, as under Dynamo: without one Inductor's
+    FX graph cache passes the graph by, and every new process would compile it again.
     """
-    return _compile_fx.compile_fx(gm, example_inputs)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    context = torch._guards.TracingContext(_FakeTensorMode(shape_env=ShapeEnv()))
+    with torch._guards.tracing(context):
+        return _compile_fx.compile_fx(gm, example_inputs)
 
 
 def inductor_config_patches(mode: str | None, options: dict | None) -> dict:

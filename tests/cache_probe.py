@@ -1,6 +1,7 @@
 """One training step in a fresh process; prints the gradient norm and cache hits as JSON.
 
-Used by test_cache.py: ``python cache_probe.py <max_norm | none>``.
+Used by test_cache.py: ``python cache_probe.py <max_norm | step:max_norm | none>`` (``step:``:
+``scope="step"``, the policy applied at ``optimizer.step()``).
 """
 
 import json
@@ -17,12 +18,14 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     x = torch.randn(8, 16)
-    max_norm = None if sys.argv[1] == "none" else float(sys.argv[1])
-    if max_norm is None:
+    scope, _, max_norm = sys.argv[1].rpartition(":")
+    if max_norm == "none":
         compiled = torch.compile(model)
     else:
-        compiled = torch.compile(model, backend=fxgrad.backend(fxgrad.clip_by_global_norm(max_norm)))
+        backend = fxgrad.backend(fxgrad.clip_by_global_norm(float(max_norm)), scope=scope or "graph")
+        compiled = torch.compile(model, backend=backend)
     (compiled(x) ** 2).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()  # step scope applies the policy here
     norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())).item()
     print(json.dumps({"norm": norm, "aot_cache_hits": counters["aot_autograd"]["autograd_cache_hit"]}))
 

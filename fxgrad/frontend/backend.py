@@ -163,8 +163,15 @@ class Backend:
         if self._step_check is not None:
             self._step_check.arm()
         rewrite = functools.partial(self._rewrite_backward, graph, folded)
-        with _compat.autograd_cache_bypassed():
+        if self.current_scope() == "step" and not self.keep_code:
+            # The backward is left as it is (the policy runs on .grad), so AOTAutograd's on-disk cache
+            # serves it: its entries are all plain compiles, since graph scope neither reads nor writes it.
+            if self._step is not None:
+                self._step.arm()
             compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite, patches)
+        else:
+            with _compat.autograd_cache_bypassed():
+                compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite, patches)
 
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
