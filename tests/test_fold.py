@@ -257,6 +257,31 @@ def test_optimizers_it_cannot_fold_are_refused():
         optimizer.step(closure)
 
 
+@pytest.mark.parametrize("scope", SCOPES)
+def test_a_folded_optimizer_the_policy_never_reaches_is_reported(scope):
+    model = mlp()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope=scope)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    backend.fold(optimizer)
+    for _ in range(2):  # the model never met the backend: nothing clips, and the user is told once
+        model(torch.randn(4, 8)).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+        said = [w for w in caught if "did not: no model this backend compiled" in str(w.message)]
+        assert len(said) == (1 if _ == 0 else 0)
+    reached = mlp()
+    optimizer = torch.optim.AdamW(reached.parameters(), fused=True)
+    backend.fold(optimizer)
+    compiled = backend.compile(reached)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        for _ in range(2):
+            compiled(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 def test_explain_says_the_gradients_are_folded():
     model = mlp()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")

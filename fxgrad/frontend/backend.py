@@ -113,6 +113,8 @@ class Backend:
         # see fold(): the folded optimizers, each with the backward count at its last step
         self._folded: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         self._cancel_checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._factor_given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
+        self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         if transform is not None:
             self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update)
             if scope == "step":
@@ -388,6 +390,7 @@ class Backend:
             return
         if optimizer not in self._folded:
             self._folded[optimizer] = self._backwards
+            optimizer.register_step_pre_hook(self._folded_step)  # runs after the global hooks that give the factor
             optimizer.register_step_post_hook(folding.after_step)
         if scope == "step":
             self._step.arm()
@@ -421,6 +424,24 @@ class Backend:
             self._update_factors.before_step(optimizer)
         if folded:
             folding.give(optimizer, self.store.stat("folded_factor"))
+            self._factor_given.add(optimizer)
+
+    def _folded_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """A folded optimizer steps: say once if the policy gave it no factor (a silent no-op)."""
+        if optimizer in self._factor_given:
+            self._factor_given.discard(optimizer)
+            return
+        if optimizer in self._told_unreached:
+            return
+        self._told_unreached.add(optimizer)
+        warnings.warn(
+            f"fxgrad: fold({type(optimizer).__name__}): optimizer.step() ran and the policy {self.transform!r} "
+            "did not: no model this backend compiled or stepped has parameters in this optimizer. Compile the "
+            "model with the backend (backend.compile(model), torch.compile(model, backend=backend)), or call "
+            "backend.step(model) before optimizer.step().",
+            CoverageWarning,
+            stacklevel=3,
+        )
 
     def _check_folded_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Refuse a step of a folded optimizer whose gradients the folded factor does not describe."""
