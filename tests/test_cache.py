@@ -39,7 +39,8 @@ def test_step_scope_restarts_from_the_caches_and_graph_scope_never_takes_their_e
     plain = step("none", tmp_path)
     assert step("step:0.001", tmp_path)["norm"] == pytest.approx(1e-3, rel=1e-4)
     warm = step("step:0.001", tmp_path)  # a restart: the model's graphs and the step program come from disk
-    assert warm["aot_cache_hits"] >= 2
+    assert warm["aot_cache_hits"] >= 1  # forward and backward
+    assert warm["fx_graph_cache_hits"] >= 3  # the same, and the step program
     assert warm["norm"] == pytest.approx(1e-3, rel=1e-4)
     assert step("step:0.01", tmp_path)["norm"] == pytest.approx(1e-2, rel=1e-4)  # not the other program
     assert step("0.002", tmp_path)["norm"] == pytest.approx(2e-3, rel=1e-4)  # not the plain backward

@@ -12,10 +12,8 @@ are split into fxgrad's and the others, and printed in launch order::
     cpp_fused_2                                        0  fxgrad_mul_2, fxgrad_sum_2  <- a separate pass
 
 A node is fxgrad's when it is named ``fxgrad_*``, carries ``node.meta["fxgrad"]``, or
-has the stack trace line ``fxgrad: <label>`` the recorder writes. The compiled step
-program needs the last: AOTAutograd traces it again before Inductor lowers it, so
-there its inserted nodes are named after their ops (``mul_3``) and only the stack
-trace survives.
+has the stack trace line ``fxgrad: <label>`` the recorder writes (the line also gives
+each kernel the labels of the policy steps it computes).
 
 What "holds" means: a node is in every kernel that computes it. Inductor recomputes
 cheap pointwise nodes in each kernel that reads them instead of storing them (the

@@ -167,7 +167,7 @@ class StepPrograms:
                         gm.graph.call_function(torch.ops.aten.copy_.default, (node, result))
         gm.recompile()
         if self.compiler == "inductor":
-            return _compat.inductor_compile_program(gm, list(grads))
+            return _compat.inductor_compile_program(gm)
         return gm
 
 
@@ -192,7 +192,7 @@ def _gradient_graph(
     owners: Sequence[Owner], grads: Sequence[torch.Tensor]
 ) -> tuple[torch.fx.GraphModule, dict[str, list[torch.fx.Node]]]:
     """A graph with one input per gradient of ``grads`` (fake values like them; ``owners``
-    give their layers), and no output; its inputs by layer."""
+    give their layers), returning nothing (an empty tuple); its inputs by layer."""
     graph = torch.fx.Graph()
     fake_mode = _compat.new_fake_mode()
     inputs: dict[str, list[torch.fx.Node]] = {}
@@ -200,7 +200,7 @@ def _gradient_graph(
         node = graph.placeholder(f"grad_{i}")
         node.meta["val"] = fake_mode.from_tensor(grad)
         inputs.setdefault(owner.layer, []).append(node)
-    graph.output(None)
+    graph.output(())
     return torch.fx.GraphModule(nn.Module(), graph), inputs
 
 
