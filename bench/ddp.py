@@ -112,7 +112,8 @@ def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> Non
 
 
 def shard(model: nn.Module) -> None:
-    """FSDP2 over ``model``: each child that holds parameters, then the model."""
+    """FSDP2 over ``model``: each block with parameters of its inner ``ModuleList``s and
+    ``Sequential``s (GPT-2's transformer blocks), then the model."""
     from torch.distributed.fsdp import fully_shard
 
     for module in model.modules():

@@ -115,7 +115,7 @@ def ddp_exact(rank: int, world: int, policy: str) -> None:
 
 
 @on_each_rank
-def ddp_fold(rank: int, world: int, wrapper: str = "ddp") -> None:
+def fold_under(rank: int, world: int, wrapper: str) -> None:
     """The default scope with backend.fold under DDP (``wrapper="ddp"``) or FSDP2 (``"fsdp2"``,
     the step program on local shards): 5 fused AdamW steps equal one process on the whole batch
     with clip_grad_norm_ and the same optimizer."""
@@ -129,14 +129,14 @@ def ddp_fold(rank: int, world: int, wrapper: str = "ddp") -> None:
             if any(True for _ in layer.parameters()):
                 fully_shard(layer)
         fully_shard(model)
-        ddp = backend.compile(model)
+        forward = backend.compile(model)
     else:
-        ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
+        forward = nn.parallel.DistributedDataParallel(backend.compile(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     backend.fold(optimizer)
     expected = torch.optim.AdamW(whole.parameters(), lr=1e-2, fused=True)
     for _ in range(5):
-        loss(ddp(half(x, rank, world))).backward()
+        loss(forward(half(x, rank, world))).backward()
         optimizer.step()
         optimizer.zero_grad()
         loss(whole(x)).backward()

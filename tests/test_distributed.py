@@ -34,7 +34,7 @@ WRAPPERS = ["backend.compile", "torch.compile"]
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_fold_equals_one_process_with_clip_grad_norm(wrapper):
-    launch(checks.ddp_fold, wrapper)
+    launch(checks.fold_under, wrapper)
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
