@@ -74,6 +74,16 @@ def model_and_data():
     return model, x
 
 
+def shard_layers(model: nn.Sequential) -> None:
+    """FSDP2: ``fully_shard`` each layer with parameters, then the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+
+
 def half(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     size = x.shape[0] // world
     return x[rank * size : (rank + 1) * size]
@@ -123,12 +133,7 @@ def fold_under(rank: int, world: int, wrapper: str) -> None:
     whole = copy.deepcopy(model)
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager")
     if wrapper == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model:
-            if any(True for _ in layer.parameters()):
-                fully_shard(layer)
-        fully_shard(model)
+        shard_layers(model)
         forward = backend.compile(model)
     else:
         forward = nn.parallel.DistributedDataParallel(backend.compile(model))
@@ -237,15 +242,10 @@ def fsdp2(rank: int, world: int, policy: str, wrapper: str | None = None, compil
     policy with a rule that reads whole rows runs eagerly on the DTensors, and says so.
     With ``wrapper``, the sharded model is compiled with the backend and
     ``optimizer.step()`` applies the policy; without, ``backend.step(model)``."""
-    from torch.distributed.fsdp import fully_shard
-
     make, reference = POLICIES[policy]
     model, x = model_and_data()
     whole = copy.deepcopy(model)
-    for layer in model:
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer)
-    fully_shard(model)
+    shard_layers(model)
     backend = fxgrad.backend(make(), compiler=compiler, scope="step")
     forward = model if wrapper is None else compiled(model, backend, wrapper)
     loss(forward(half(x, rank, world))).backward()
@@ -272,7 +272,6 @@ def fsdp2_program_steps(rank: int, world: int, compiler: str) -> None:
     on the whole gradients, step by step, state and statistics included: a skipped
     non-finite step (a NaN in rank 0's shard only), ZClip's warm-up and EMAs, and a layer
     whose one output row leaves rank 1 with empty shards."""
-    from torch.distributed.fsdp import fully_shard
 
     def policy():
         return fxgrad.chain(
@@ -281,10 +280,7 @@ def fsdp2_program_steps(rank: int, world: int, compiler: str) -> None:
 
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 3), nn.GELU(), nn.Linear(3, 1))
     whole = copy.deepcopy(model)
-    for layer in model:
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer)
-    fully_shard(model)
+    shard_layers(model)
     sharded = fxgrad.backend(policy(), compiler=compiler, scope="step")
     single = fxgrad.backend(policy(), compiler="aot_eager", scope="step")
     for step in range(5):
