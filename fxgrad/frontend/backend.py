@@ -164,16 +164,15 @@ class Backend:
         count_backwards = count_backwards or (folded and bool(graph.params))
         if self._step_check is not None:
             self._step_check.arm()
+        step_scope = self.current_scope() == "step"
+        if step_scope and self._step is not None:
+            self._step.arm()  # the policy runs on .grad at optimizer.step(); the backward is left alone
         rewrite = functools.partial(self._rewrite_backward, graph, folded)
-        if self.current_scope() == "step" and not self.keep_code:
-            # The backward is left as it is (the policy runs on .grad), so AOTAutograd's on-disk cache
-            # serves it: its entries are all plain compiles, since graph scope neither reads nor writes it.
-            if self._step is not None:
-                self._step.arm()
+        # Left alone, the backward is a plain compile, which AOTAutograd's on-disk cache may serve: its
+        # entries are all plain, since graph scope neither reads nor writes it (nor does keep_code's record).
+        plain = step_scope and not self.keep_code
+        with contextlib.nullcontext() if plain else _compat.autograd_cache_bypassed():
             compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite, patches)
-        else:
-            with _compat.autograd_cache_bypassed():
-                compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite, patches)
 
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
@@ -298,15 +297,13 @@ class Backend:
             # Step scope never touches the backward; graph scope cannot place the gradients.
             if self.transform is None or self.current_scope() != "step":
                 raise
-            self._step.arm()
             return
         has_grad = {i for i, node in enumerate(outputs) if node is not None}
         plan = plan_graph(self.transform, graph, has_grad, self.registry.forward_order(), self.skip)
         graph.layers = list(plan.layers)
         if self.transform is None:
             return
-        if self.current_scope() == "step":  # "auto" in a data-parallel job: the policy runs on .grad
-            self._step.arm()
+        if self.current_scope() == "step":  # "auto" in a data-parallel job: the policy runs on .grad (armed)
             return
         if self._coverage is not None:
             self._coverage.graph(self.registry, graph, plan, has_grad)
@@ -477,7 +474,7 @@ class Backend:
         models = [(model, "")]
         self._apply_to_grads(models, scaler, self._step.parameters(models))  # the kept walk: this runs every step
         if optimizer is not None and self._update_factors is not None:
-            self._update_factors.before_step(optimizer, [(model, "")])
+            self._update_factors.before_step(optimizer, models)
 
     def _step_models(self) -> list[tuple[nn.Module, str]]:
         models = [(ref(), "") for ref in self._models if ref() is not None]
