@@ -20,8 +20,11 @@ import torch._dynamo.symbolic_convert as _symbolic_convert
 import torch._functorch.config as _functorch_config
 import torch._guards
 import torch._inductor.compile_fx as _compile_fx
+import torch._inductor.config as _inductor_config
 from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 from torch._guards import detect_fake_mode as _detect_fake_mode
+from torch._inductor.custom_graph_pass import CustomGraphPass as _CustomGraphPass
+from torch._inductor.custom_graph_pass import get_custom_graph_passes as _custom_graph_passes
 from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
@@ -44,6 +47,8 @@ __all__ = [
     "compiled_autograd",
     "aot_eager_compile",
     "autograd_cache_bypassed",
+    "autograd_cache_enabled",
+    "cache_keyed",
     "compile_id",
     "current_frame_scope",
     "model_being_compiled",
@@ -65,7 +70,8 @@ __all__ = [
 ]
 
 Compiler = Callable[[torch.fx.GraphModule, list], Any]
-BackwardRewrite = Callable[[torch.fx.GraphModule], None]
+BackwardRewrite = Callable[[torch.fx.GraphModule], bool]
+"""Rewrites a backward graph in place; returns whether its compiled code may go to the on-disk caches."""
 
 
 def inductor_decompositions() -> dict:
@@ -182,12 +188,15 @@ def inductor_compile(
 
     The hook runs on the decomposed backward graph before Inductor's
     post-grad passes, scheduling and fusion, so inserted ops are fused.
-    ``config_patches`` come from :func:`inductor_config_patches`.
+    ``config_patches`` come from :func:`inductor_config_patches`. A backward the
+    hook says must not be cached compiles without Inductor's FX graph cache, and
+    AOTAutograd saves no entry for a compile whose graphs that cache did not hold.
     """
 
     def inner_compile(graph: torch.fx.GraphModule, inputs: list, **kwargs: Any) -> Any:
-        if kwargs.get("is_backward"):
-            rewrite_backward(graph)
+        if kwargs.get("is_backward") and not rewrite_backward(graph):
+            with _inductor_config.patch(fx_graph_cache=False):
+                return _compile_fx.compile_fx_inner(graph, inputs, **kwargs)
         return _compile_fx.compile_fx_inner(graph, inputs, **kwargs)
 
     return _compile_fx.compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches)
@@ -261,12 +270,39 @@ def autograd_cache_bypassed() -> Iterator[None]:
     """Keep AOTAutograd's on-disk cache out of one compile.
 
     That cache is keyed on the forward (Dynamo) graph, not on the rewritten
-    backward, so with it another policy's backward could come back from disk.
-    Inductor's FX graph cache still applies: it is keyed on the graph after
-    fxgrad's rewrite.
+    backward, so without a key that holds the policy (:func:`cache_keyed`)
+    another policy's backward could come back from disk. Inductor's FX graph
+    cache still applies: it is keyed on the graph after fxgrad's rewrite.
     """
     with _functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
         yield
+
+
+def autograd_cache_enabled() -> bool:
+    """Whether AOTAutograd's on-disk cache is on (it needs Inductor's FX graph cache)."""
+    return bool(_functorch_config.enable_autograd_cache and _inductor_config.fx_graph_cache)
+
+
+class _CacheKey(_CustomGraphPass):
+    """A post-grad pass that changes nothing: its ``uuid`` is part of both on-disk cache keys."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return self.key
+
+
+def cache_keyed(config_patches: dict, key: str) -> dict:
+    """``config_patches`` plus ``key`` in the keys of AOTAutograd's and Inductor's on-disk caches.
+
+    Both hash Inductor's settings, and in them each custom post-grad pass's ``uuid()``; this
+    adds a pass that does nothing, after any the settings already hold."""
+    current = config_patches.get("post_grad_custom_post_pass", _inductor_config.post_grad_custom_post_pass)
+    return {**config_patches, "post_grad_custom_post_pass": (*_custom_graph_passes(current), _CacheKey(key))}
 
 
 def current_frame_scope() -> tuple[dict, dict] | None:

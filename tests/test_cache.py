@@ -1,8 +1,9 @@
 """A changed policy never reuses a stale compiled backward, across processes.
 
 AOTAutograd's on-disk cache is keyed on the forward graph. Each step below
-runs in a fresh process sharing one TORCHINDUCTOR_CACHE_DIR. Graph scope keeps
-out of that cache; step scope, which leaves the backward alone, uses it.
+runs in a fresh process sharing one TORCHINDUCTOR_CACHE_DIR. Step scope leaves
+the backward alone and uses that cache as a plain compile does; graph scope
+uses it under a key that also holds the policy (fxgrad.frontend.warm_start).
 """
 
 import json
@@ -47,3 +48,22 @@ def test_step_scope_restarts_from_the_caches_and_graph_scope_never_takes_their_e
     again = step("none", tmp_path)
     assert again["aot_cache_hits"] >= 1
     assert again["norm"] == pytest.approx(plain["norm"], rel=1e-6)  # not graph scope's backward
+
+
+def test_graph_scope_restarts_from_the_caches_with_its_state(tmp_path):
+    cold = step("stateful", tmp_path)
+    warm = step("stateful", tmp_path)  # a restart: forward and rewritten backward come from disk
+    assert (cold["aot_cache_hits"], warm["aot_cache_hits"]) == (0, 1)
+    assert warm["fx_graph_cache_hits"] >= 2
+    assert cold["stats"] and warm["stats"] == pytest.approx(cold["stats"], rel=1e-6)  # state carried 3 steps
+    assert warm["norm"] == pytest.approx(cold["norm"], rel=1e-6)
+    assert step("0.001", tmp_path)["norm"] == pytest.approx(1e-3, rel=1e-4)  # another policy: not its entry
+
+
+def test_a_backward_whose_layers_differ_from_the_stand_in_is_not_saved(tmp_path):
+    # The last layer requires grad but gets none: the real backward's state differs from the
+    # stand-in's, which is all a later process would register before loading it.
+    first = step("detached", tmp_path)
+    again = step("detached", tmp_path)
+    assert (first["aot_cache_saved"], again["aot_cache_hits"]) == (0, 0)
+    assert again["stats"] == pytest.approx(first["stats"], rel=1e-6)

@@ -40,6 +40,7 @@ from fxgrad.frontend.step_check import StepCheck, hand_over
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
+from fxgrad.frontend.warm_start import StandIn
 from fxgrad.frontend.watch import ForwardWatch, track_wrapper
 from fxgrad.passes.capture import CapturedGraph, Root, capture
 from fxgrad.passes.graphtext import normalize_code, render_inserted
@@ -167,11 +168,17 @@ class Backend:
         step_scope = self.current_scope() == "step"
         if step_scope and self._step is not None:
             self._step.arm()  # the policy runs on .grad at optimizer.step(); the backward is left alone
-        rewrite = functools.partial(self._rewrite_backward, graph, folded)
-        # Left alone, the backward is a plain compile, which AOTAutograd's on-disk cache may serve: its
-        # entries are all plain, since graph scope neither reads nor writes it (nor does keep_code's record).
+        # Left alone, the backward is a plain compile, which AOTAutograd's on-disk cache may serve. A
+        # rewritten one may use that cache only under a key that holds the policy (warm_start), and
+        # keep_code's record needs the rewrite to run, so it never does.
         plain = step_scope and not self.keep_code
-        with contextlib.nullcontext() if plain else _compat.autograd_cache_bypassed():
+        stand_in = None
+        if not step_scope and self._keyed_cache():
+            stand_in = StandIn.record(graph, example_inputs, functools.partial(self._rewrite_backward, graph, folded))
+        if stand_in is not None:
+            patches = _compat.cache_keyed(patches, stand_in.key(f"{self!r} scaler={self.scaler is not None}"))
+        rewrite = functools.partial(self._rewrite_backward, graph, folded, stand_in=stand_in)
+        with contextlib.nullcontext() if plain or stand_in is not None else _compat.autograd_cache_bypassed():
             compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite, patches)
 
         @functools.wraps(compiled)
@@ -285,9 +292,23 @@ class Backend:
         for miss in policy_misses(self.transform, self.skip, model):
             warnings.warn(miss, CoverageWarning, stacklevel=4)
 
-    def _rewrite_backward(self, graph: CapturedGraph, folded: bool, gm: torch.fx.GraphModule) -> None:
+    def _keyed_cache(self) -> bool:
+        """Whether a graph-scope compile looks its backward up in AOTAutograd's on-disk cache,
+        under a key that holds the policy (see :mod:`fxgrad.frontend.warm_start`)."""
+        return (
+            self.compiler == "inductor"
+            and self.transform is not None
+            and not self.keep_code
+            and _compat.autograd_cache_enabled()
+        )
+
+    def _rewrite_backward(
+        self, graph: CapturedGraph, folded: bool, gm: torch.fx.GraphModule, stand_in: StandIn | None = None
+    ) -> bool:
+        """Rewrite ``gm``; whether its compiled code may be saved to the on-disk caches."""
         with _gc_paused():
             self._rewrite(graph, gm, folded)
+        return stand_in is None or stand_in.covers(gm)
 
     def _rewrite(self, graph: CapturedGraph, gm: torch.fx.GraphModule, folded: bool) -> None:
         try:

@@ -290,6 +290,12 @@ def _loaded(key: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tens
     return value
 
 
+def groups_named(graph: torch.fx.Graph) -> frozenset[str]:
+    """The names of the groups ``graph``'s nodes load or save."""
+    ops = (torch.ops.fxgrad.load_state.default, torch.ops.fxgrad.save_state.default)
+    return frozenset(node.args[0] for op in ops for node in graph.find_nodes(op="call_function", target=op))
+
+
 def group_label(name: str) -> str | None:
     """What a group name in a graph stands for (``"stats"``, ``"0.autoclip"``, ...)."""
     found = _GROUPS.get(name)
