@@ -1,4 +1,4 @@
-"""Frozen parameters, shared parameters, buffers, dynamic shapes, low precision, complex values."""
+"""Frozen parameters, shared parameters, buffers, dynamic shapes, low precision, complex values, sparse gradients."""
 
 import copy
 
@@ -235,3 +235,78 @@ def test_complex_gradients_are_rescaled_and_normalized_by_their_moduli():
     assert layer_norms(model) == pytest.approx([0.01, 0.01])
     model, _ = complex_step(fxgrad.normalize("linf"))
     assert layer_norms(model, float("inf")) == pytest.approx([1.0, 1.0])
+
+
+class SparseEmbedding(nn.Module):
+    """A lookup table with sparse gradients: repeated ids leave them uncoalesced, and the
+    alternating signs make repeats cancel, so a norm over the uncoalesced values is wrong."""
+
+    def __init__(self, sparse=True):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=sparse)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        signs = 1.0 - 2.0 * (torch.arange(ids.shape[-1]) % 2)
+        return (self.head(self.emb(ids)).squeeze(-1) * signs).sum()
+
+
+SPARSE_POLICIES = {
+    "clip": (
+        fxgrad.chain(fxgrad.clip_by_norm(0.05), fxgrad.clip_by_global_norm(0.02)),
+        lambda dense: (ref.clip_per_layer(dense, 0.05), ref.clip_global(dense, 0.02)),
+    ),
+    "clip_l1": (fxgrad.clip_by_norm(0.05, norm_type=1.0), lambda dense: ref.clip_per_layer(dense, 0.05, 1.0)),
+    "monitor_rescale": (fxgrad.chain(fxgrad.monitor(), fxgrad.rescale(alpha=0.5)), ref.rescale),
+}
+
+
+def sparse_step(scope, compiler, policy="clip"):
+    """The sparse model's gradients after a policy equal a dense copy's after its reference."""
+    transform, reference = SPARSE_POLICIES[policy]
+    torch.manual_seed(0)
+    model, dense = SparseEmbedding(), SparseEmbedding(sparse=False)
+    dense.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 10, (4, 6))  # 24 lookups of 10 rows: repeats
+    backend = fxgrad.backend(transform, compiler=compiler, scope=scope)
+    backend.compile(model)(ids).backward()
+    if scope == "step":
+        backend.step(model)
+    assert model.emb.weight.grad.is_sparse
+    dense(ids).backward()
+    reference(dense)
+    for a, b in zip(model.parameters(), dense.parameters()):
+        torch.testing.assert_close(a.grad.to_dense(), b.grad, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("policy", list(SPARSE_POLICIES))
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_sparse_gradients_get_the_factors_of_their_dense_equivalent(scope, policy):
+    sparse_step(scope, "aot_eager", policy)
+
+
+@pytest.mark.parametrize(
+    "transform,match",
+    [
+        (fxgrad.clip_by_value(0.01), r"clip_by_value.*gradients of 'emb' are sparse"),
+        (fxgrad.normalize("linf"), r"max-abs norm .* of a sparse gradient"),
+    ],
+    ids=["on_each_element", "max_norm"],
+)
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_what_sparse_gradients_cannot_take_is_refused(scope, transform, match):
+    backend = fxgrad.backend(transform, compiler="aot_eager", scope=scope)
+    model = SparseEmbedding()
+    with pytest.raises(NotImplementedError, match=match):
+        backend.compile(model)(torch.randint(0, 10, (4, 6))).backward()
+        backend.step(model)
+
+
+@pytest.mark.inductor
+def test_sparse_gradients_under_inductor_are_refused_in_graph_scope_and_run_eagerly_in_step_scope():
+    """Inductor compiles strided tensors only: graph scope names the layer instead of failing
+    inside Inductor, and step scope runs the rules eagerly on them after one warning."""
+    with pytest.raises(NotImplementedError, match=r"gradients of 'emb' are sparse.*skip=\('emb',\)"):
+        sparse_step("graph", "inductor")
+    with pytest.warns(RuntimeWarning, match=r"sparse gradients \(emb.weight\)"):
+        sparse_step("step", "inductor")

@@ -136,3 +136,17 @@ def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
             assert got.untyped_storage()._cdata == args[0].untyped_storage()._cdata, node.format_node()
         checked += 1
     assert checked > 200
+
+
+def test_ops_on_sparse_values_get_sparse_results():
+    """The per-signature reuse makes strided tensors only: a sparse gradient's ops are dispatched."""
+
+    def backward(x):
+        return (torch.sparse_coo_tensor(torch.tensor([[0, 2, 2]]), x, (5, 4)),)
+
+    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    with fake_mode:
+        gm = make_fx(backward, tracing_mode="real")(torch.randn(3, 4))
+    (grad,) = passes.gradient_outputs(gm, num_forward_inputs=1)
+    results = record(gm, fake_mode, [grad], lambda values: [v * v for v in values for _ in range(2)])
+    assert [node.meta["val"].layout for node in results] == [torch.sparse_coo] * 2

@@ -34,7 +34,7 @@ from fxgrad.core.rule import Transform
 from fxgrad.frontend import fold as folding
 from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_misses
 from fxgrad.frontend.graphs import GraphRegistry
-from fxgrad.frontend.plan import plan_graph
+from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
 from fxgrad.frontend.step_check import StepCheck, hand_over
 from fxgrad.frontend.step_program import StepPrograms
@@ -329,6 +329,8 @@ class Backend:
         if self._coverage is not None:
             self._coverage.graph(self.registry, graph, plan, has_grad)
         graph.routes = plan.active_routes()
+        if self.compiler == "inductor":
+            _refuse_sparse(plan, outputs)
         if self.keep_code:
             graph.backward_before = normalize_code(gm.code, group_label)
         frame = self.registry.frame_index(graph)
@@ -581,6 +583,24 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _refuse_sparse(plan: GraphPlan, outputs: list[torch.fx.Node | None]) -> None:
+    """Refuse a policy that acts on a sparse gradient (``nn.Embedding(sparse=True)``) in a
+    backward graph for Inductor, which compiles ops on strided tensors only (it would fail
+    on the first backward with a stride assertion that names no layer)."""
+    sparse = [
+        layer.name
+        for layer in dict.fromkeys(layer for route in plan.routes for layer in route.layers)
+        if any(outputs[slot].meta["val"].layout != torch.strided for slot in plan.slots[layer.name])
+    ]
+    if sparse:
+        raise NotImplementedError(
+            f"fxgrad: the gradients of {', '.join(map(repr, sparse))} are sparse (nn.Embedding(sparse=True)?), "
+            "and Inductor cannot compile the policy's ops on them in the backward graph. Use scope='step' "
+            "(the policy then runs on .grad, eagerly for sparse gradients), skip the "
+            f"layer (skip=({sparse[0]!r},)), or a dense gradient (sparse=False)."
+        )
 
 
 def _check_scaler(scaler: Any, transform: Transform | None) -> Any:

@@ -19,7 +19,9 @@ norms) are all-reduced over the mesh inside it, all layers' at once
 math needs nothing else of the other shards (:attr:`~fxgrad.core.rule.Leaf.local_shards`).
 Other DTensor gradients (tensor parallelism, HSDP's 2-D mesh, replicated
 placements) and the other rules (``adaptive_grad_clip``, ``sinkhorn``,
-``balance_norms``) run eagerly on the DTensors, after one warning.
+``balance_norms``) run eagerly on the DTensors, after one warning; so do sparse
+gradients (``nn.Embedding(sparse=True)``) under Inductor, which compiles strided
+tensors only.
 
 With ``compiler="aot_eager"`` the recorded graph runs as plain FX code (what
 the tests exercise quickly); with ``"inductor"`` it is compiled.
@@ -51,7 +53,7 @@ class StepPrograms:
         self.compiler = compiler
         self._programs: dict[tuple, Callable[..., Any]] = {}
         self._broken: str | None = None  # why building failed; then every step runs eagerly
-        self._told_eager = False  # whether the warning that DTensor gradients run eagerly was given
+        self._told_eager = False  # whether the warning that some gradients run eagerly was given
         self._weights: dict[str, torch.Tensor] = {}  # while a program runs: its parameters, by name
         self._routes: tuple[tuple, Any] | None = None  # the last step's key and routes
         self._routings: dict[tuple, int] = {}  # routes and parameter names -> a small int, for program keys
@@ -95,7 +97,10 @@ class StepPrograms:
         if any(type(g) is not torch.Tensor for g in grads):
             group, why = _shard_group(grads, routes)
             if group is None:
-                self._eager(why)
+                self._eager(
+                    f"{why}. The compiled step program takes FSDP2's gradients (sharded on a 1-D mesh) under "
+                    "the rules that need nothing else of the other shards (see fxgrad.frontend.step_program)"
+                )
                 return False
             grads = [g.to_local() for g in grads]
         key = self._routing(routes, owners), _layout(grads), group, scaler is not None, fold
@@ -103,6 +108,10 @@ class StepPrograms:
         try:
             program = self._programs.get(key)
             if program is None:
+                sparse = [o.param for o, g in zip(owners, grads) if g.layout != torch.strided]
+                if sparse and self.compiler == "inductor":
+                    self._eager(f"sparse gradients ({', '.join(sparse)}), which Inductor does not compile")
+                    return False
                 try:
                     program = self._build(routes, owners, grads, group, store, scaler, fold)
                 except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
@@ -122,13 +131,11 @@ class StepPrograms:
         return True
 
     def _eager(self, why: str) -> None:
-        """Say once that DTensor gradients run the rules eagerly, one op at a time."""
+        """Say once that these gradients run the rules eagerly, one op at a time, and ``why``."""
         if not self._told_eager:
             self._told_eager = True
             warnings.warn(
-                f"fxgrad: scope='step' runs the policy eagerly on these DTensor gradients, one op at a time: "
-                f"{why}. The compiled step program takes FSDP2's gradients (sharded on a 1-D mesh) under "
-                "the rules that need nothing else of the other shards (see fxgrad.frontend.step_program).",
+                f"fxgrad: scope='step' runs the policy eagerly on these gradients, one op at a time: {why}.",
                 RuntimeWarning,
                 stacklevel=5,
             )

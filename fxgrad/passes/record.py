@@ -151,7 +151,11 @@ class GraphRecorder(TorchDispatchMode):
 
         def key(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                if not _compat.fake_of(value, self.fake_mode) or not all(isinstance(n, int) for n in value.shape):
+                if (
+                    not _compat.fake_of(value, self.fake_mode)
+                    or value.layout != torch.strided  # a sparse gradient (nn.Embedding(sparse=True))
+                    or not all(isinstance(n, int) for n in value.shape)
+                ):
                     raise _NotPlain
                 return (value.shape, value.stride(), value.dtype, value.device)
             if isinstance(value, (list, tuple)):
@@ -193,4 +197,5 @@ class GraphRecorder(TorchDispatchMode):
 
 
 class _NotPlain(Exception):
-    """An argument whose effect on the result's metadata is unknown (a SymInt, a subclass)."""
+    """An argument whose effect on the result's metadata is unknown (a SymInt, a subclass, a
+    sparse tensor: :func:`~fxgrad._compat.new_fake_like` makes strided tensors only)."""

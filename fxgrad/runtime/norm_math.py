@@ -64,7 +64,15 @@ def magnitude(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
-    """``sum |t|^p`` over all elements (``max |t|`` for ``p = inf``), a 0-dim tensor."""
+    """``sum |t|^p`` over all elements (``max |t|`` for ``p = inf``), a 0-dim tensor.
+
+    Sparse COO tensors (``nn.Embedding(sparse=True)``) take the finite orders: torch's sparse
+    ops coalesce them first (repeated indices add up). They have no max reduction."""
+    if math.isinf(p) and any(t.layout != torch.strided for t in tensors):
+        raise NotImplementedError(
+            "fxgrad: the max-abs norm (norm 'linf', norm_type=inf) of a sparse gradient "
+            "(nn.Embedding(sparse=True)?) is not supported; the other norms are"
+        )
     wide = [widen(magnitude(t)) for t in tensors]
     if math.isinf(p):
         return _reduce([abs_max(t) for t in wide], torch.maximum)
