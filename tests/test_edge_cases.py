@@ -1,6 +1,7 @@
 """Frozen parameters, shared parameters, buffers, dynamic shapes, low precision, complex values, sparse gradients."""
 
 import copy
+import warnings
 
 import models
 import pytest
@@ -271,7 +272,8 @@ def sparse_step(scope, compiler, policy="clip"):
     backend = fxgrad.backend(transform, compiler=compiler, scope=scope)
     backend.compile(model)(ids).backward()
     if scope == "step":
-        backend.step(model)
+        with pytest.warns(RuntimeWarning, match=r"eagerly .* sparse gradients \(emb.weight\)"):
+            backend.step(model)
     assert model.emb.weight.grad.is_sparse
     dense(ids).backward()
     reference(dense)
@@ -297,16 +299,15 @@ def test_sparse_gradients_get_the_factors_of_their_dense_equivalent(scope, polic
 def test_what_sparse_gradients_cannot_take_is_refused(scope, transform, match):
     backend = fxgrad.backend(transform, compiler="aot_eager", scope=scope)
     model = SparseEmbedding()
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(NotImplementedError, match=match), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "fxgrad: scope='step' runs the policy eagerly", RuntimeWarning)
         backend.compile(model)(torch.randint(0, 10, (4, 6))).backward()
         backend.step(model)
 
 
 @pytest.mark.inductor
-def test_sparse_gradients_under_inductor_are_refused_in_graph_scope_and_run_eagerly_in_step_scope():
+def test_sparse_gradients_under_inductor_are_refused_in_graph_scope():
     """Inductor compiles strided tensors only: graph scope names the layer instead of failing
-    inside Inductor, and step scope runs the rules eagerly on them after one warning."""
+    inside Inductor (step scope runs the rules on them eagerly, as above)."""
     with pytest.raises(NotImplementedError, match=r"gradients of 'emb' are sparse.*skip=\('emb',\)"):
         sparse_step("graph", "inductor")
-    with pytest.warns(RuntimeWarning, match=r"sparse gradients \(emb.weight\)"):
-        sparse_step("step", "inductor")

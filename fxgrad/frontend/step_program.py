@@ -20,8 +20,7 @@ math needs nothing else of the other shards (:attr:`~fxgrad.core.rule.Leaf.local
 Other DTensor gradients (tensor parallelism, HSDP's 2-D mesh, replicated
 placements) and the other rules (``adaptive_grad_clip``, ``sinkhorn``,
 ``balance_norms``) run eagerly on the DTensors, after one warning; so do sparse
-gradients (``nn.Embedding(sparse=True)``) under Inductor, which compiles strided
-tensors only.
+gradients (``nn.Embedding(sparse=True)``): Inductor compiles strided tensors only.
 
 With ``compiler="aot_eager"`` the recorded graph runs as plain FX code (what
 the tests exercise quickly); with ``"inductor"`` it is compiled.
@@ -109,7 +108,7 @@ class StepPrograms:
             program = self._programs.get(key)
             if program is None:
                 sparse = [o.param for o, g in zip(owners, grads) if g.layout != torch.strided]
-                if sparse and self.compiler == "inductor":
+                if sparse:
                     self._eager(f"sparse gradients ({', '.join(sparse)}), which Inductor does not compile")
                     return False
                 try:
