@@ -104,8 +104,8 @@ def test_update_level_factor_is_the_layer_learning_rate_under_adamw():
     policy = fxgrad.rescale(alpha=0, multipliers={"net.0": 3.0}, apply_to="update")
     callback = FxgradCallback(policy, compiler="aot_eager")
     ours = _fit(optimizer=lambda module: torch.optim.AdamW(module.parameters(), lr=1e-2), callbacks=[callback])
-    for name, weight in reference.state_dict().items():
-        torch.testing.assert_close(ours.state_dict()[name], weight, rtol=1e-5, atol=1e-7, msg=name)
+    for name, weight in reference.state_dict().items():  # 3x the update vs 3x the rate: float32 rounding, 20 steps
+        torch.testing.assert_close(ours.state_dict()[name], weight, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_per_layer_policy_logs_its_stats_to_csv(tmp_path):
