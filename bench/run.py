@@ -34,9 +34,11 @@ then writes a Markdown table.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import copy
 import datetime
+import functools
 import os
 import platform
 import random
@@ -291,6 +293,20 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
+INDUCTOR_OPTIONS: list[str] = []  # --inductor-option, passed on to the fresh processes
+
+
+def set_inductor_options(pairs: list[str]) -> None:
+    """Apply ``NAME=VALUE`` pairs (``VALUE`` a Python literal) to ``torch._inductor.config``."""
+    for pair in pairs:
+        name, equals, value = pair.partition("=")
+        if not equals:
+            raise SystemExit(f"--inductor-option takes NAME=VALUE, got {pair!r}")
+        *parents, leaf = name.split(".")
+        setattr(functools.reduce(getattr, parents, torch._inductor.config), leaf, ast.literal_eval(value))
+        INDUCTOR_OPTIONS.append(pair)
+
+
 def first_step_seconds(
     model_name: str, policy: str | None, scale: float, compiler: str, device: str, dtype: str, cache: str = ""
 ) -> float:
@@ -314,6 +330,7 @@ def first_step_seconds(
             device,
             "--dtype",
             dtype,
+            *[argument for pair in INDUCTOR_OPTIONS for argument in ("--inductor-option", pair)],
         ]
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -420,6 +437,14 @@ def main() -> None:
     )
     parser.add_argument("--no-pass-scaling", action="store_true", help="skip the pass-time measurement")
     parser.add_argument(
+        "--inductor-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set torch._inductor.config.NAME to the Python literal VALUE for every variant, in this process "
+        "and the fresh ones (repeatable; e.g. reorder_for_peak_memory=False)",
+    )
+    parser.add_argument(
         "--compile-times",
         action="store_true",
         help="only cold and warm first steps of --compile-policies (fresh processes), no step timing",
@@ -431,6 +456,7 @@ def main() -> None:
     if options.dtype != "float32":
         Variant.autocast = getattr(torch, options.dtype)
     Variant.optimizer_name = options.optimizer
+    set_inductor_options(options.inductor_option)
     if options.first_step:
         run_first_step(*options.first_step, scale, options.compiler, options.device)
         return
