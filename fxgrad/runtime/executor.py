@@ -127,11 +127,11 @@ class Executor:
         sparse = [name for name, layer in zip(route.names, grads) if any(g.layout != torch.strided for g in layer)]
         if sparse:
             raise NotImplementedError(
-                f"fxgrad: {route.leaf!r} works on each element of a gradient, and the gradients of "
-                f"{', '.join(map(repr, sparse))} are sparse (nn.Embedding(sparse=True)?). Rules that scale "
-                "whole gradients by their norms take sparse gradients. Keep these layers from this rule "
-                f"(fxgrad.by_name({{...}}, default=...), or the backend's skip=({sparse[0]!r},)), or make "
-                "their gradients dense (sparse=False)."
+                f"fxgrad: {route.leaf!r} works on the elements of each gradient, not only on its norm, "
+                f"and the gradients of {', '.join(map(repr, sparse))} are sparse (nn.Embedding(sparse=True)?). "
+                "Rules that scale whole gradients by their norms take sparse gradients. Keep these layers "
+                f"from this rule (fxgrad.by_name({{...}}, default=...), or the backend's skip=({sparse[0]!r},)), "
+                "or make their gradients dense (sparse=False)."
             )
         ctx = self.graph.route(index, route.leaf.name, route.layers, self)
         new = route.leaf.apply(grads, route.layers, ctx)
