@@ -22,6 +22,7 @@ gradients sharded on dim 0) and compiled whole; there is no ``local``, and
 Prints step-time ratios (median over repeats of per-repeat ratios, rank 0).
 
     python bench/ddp.py [--policy rescale] [--optimizer sgd] [--repeats 10] [--steps 5] [--fsdp2]
+                        [--compiler aot_eager]  # a dry run: the ratios then mean nothing
 """
 
 from __future__ import annotations
@@ -63,13 +64,14 @@ def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> Non
             shard(model)
         backend, after_backward = None, lambda: None
         if name in ("none", "none again", "eager"):
-            compiled = torch.compile(model)
+            compiled = torch.compile(model, backend=options.compiler)
             if name == "eager":
                 eager, layers = make_eager(), layers_of(model)
                 after_backward = lambda eager=eager, model=model, layers=layers: eager(model, layers)  # noqa: E731
         else:
             local = name == "local"
-            backend = fxgrad.backend(transform, scope="graph" if local else "step", strict=not local)
+            scope = "graph" if local else "step"
+            backend = fxgrad.backend(transform, compiler=options.compiler, scope=scope, strict=not local)
             compiled = backend.compile(model)
             if name == "exact eager":
                 backend._programs.run = lambda *args: False  # the rules on the DTensors, one op at a time
@@ -106,7 +108,7 @@ def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> Non
         print(f"step without a policy: {statistics.median(times['none']) * 1e3:.1f} ms")
         pairs = [("local", "exact"), ("exact", "eager"), ("fold", "eager"), ("exact", "exact eager")]
         for a, b in [(n, "none") for n in names[1:]] + pairs:
-            if a in times:
+            if a in times and b in times:  # DDP has no "exact eager", FSDP2 no "local"
                 print(f"{a} / {b}: {ratio(a, b):.3f}")
     dist.destroy_process_group()
 
@@ -133,6 +135,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--fsdp2", action="store_true", help="FSDP2 instead of DDP")
+    parser.add_argument(
+        "--compiler", default="inductor", choices=["inductor", "aot_eager"], help="aot_eager: a quick dry run"
+    )
     options = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -37,6 +37,18 @@ def test_bench_quick_smoke():
     assert "| deep_mlp | rescale |" in out.stdout
 
 
+@pytest.mark.parametrize("fsdp2", [False, True], ids=["ddp", "fsdp2"])
+def test_ddp_bench_dry_run(fsdp2):
+    """bench/ddp.py on 2 processes prints every ratio of its variants (DDP has no "exact eager",
+    FSDP2 no "local": a ratio over a missing variant once crashed it after the timing)."""
+    command = [sys.executable, os.path.join(ROOT, "bench", "ddp.py"), "--model", "deep_mlp", "--scale", "0.05"]
+    command += ["--compiler", "aot_eager", "--policy", "global_clip", "--repeats", "1", "--steps", "1"]
+    command += ["--fsdp2"] if fsdp2 else ["--optimizer", "adamw-fused"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600).stdout
+    expected = ["exact / eager", "exact / exact eager"] if fsdp2 else ["local / exact", "fold / eager"]
+    assert all(f"{ratio}: " in out for ratio in expected), out
+
+
 def test_hooked_variant_runs_its_hooks_beside_an_unhooked_compiled_copy():
     """Dynamo does not guard on backward hooks: without its own wrapper the hooked copy would
     reuse the plain copy's graph and silently skip the hooks. (A subprocess: bench/ has its
