@@ -98,19 +98,24 @@ def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> Non
                 variants[name][0]()
             variants[name][1].append((time.perf_counter() - start) / options.steps)
     if rank == 0:
-        times = {name: times for name, (_, times) in variants.items()}
-
-        def ratio(a: str, b: str) -> float:
-            return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
         setup = f"model {options.model}, policy {options.policy}, optimizer {options.optimizer}, {world} processes"
         print(f"{'FSDP2' if options.fsdp2 else 'DDP'}, {setup}")
-        print(f"step without a policy: {statistics.median(times['none']) * 1e3:.1f} ms")
-        pairs = [("local", "exact"), ("exact", "eager"), ("fold", "eager"), ("exact", "exact eager")]
-        for a, b in [(n, "none") for n in names[1:]] + pairs:
-            if a in times and b in times:  # DDP has no "exact eager", FSDP2 no "local"
-                print(f"{a} / {b}: {ratio(a, b):.3f}")
+        print("\n".join(ratio_lines({name: times for name, (_, times) in variants.items()})))
     dist.destroy_process_group()
+
+
+def ratio_lines(times: dict[str, list[float]]) -> list[str]:
+    """The step without a policy, then ``a / b: ratio`` (median of per-repeat ratios) for each
+    variant over ``none`` and for the pairs compared, of the variants that ran (DDP has no
+    ``exact eager``, FSDP2 no ``local``)."""
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+    pairs = [(name, "none") for name in times if name != "none"]
+    pairs += [("local", "exact"), ("exact", "eager"), ("fold", "eager"), ("exact", "exact eager")]
+    lines = [f"step without a policy: {statistics.median(times['none']) * 1e3:.1f} ms"]
+    return lines + [f"{a} / {b}: {ratio(a, b):.3f}" for a, b in pairs if a in times and b in times]
 
 
 def shard(model: nn.Module) -> None:
