@@ -367,13 +367,18 @@ def generated_code(fn: Callable[[], Any]) -> list[str]:
 
     Unlike ``torch._inductor.utils.run_and_get_code`` this does not reset Dynamo first,
     which would drop every other compiled model's graphs and turn compiled autograd off.
+    Torch's compile caches are off inside, so that a graph an earlier process compiled
+    is generated again rather than loaded without its source.
     """
     from unittest import mock
 
     from torch._inductor.graph import GraphLowering
 
     sources: list[str] = []
-    with mock.patch.object(GraphLowering, "save_output_code", sources.append):
+    with (
+        torch.compiler.config.patch(force_disable_caches=True),
+        mock.patch.object(GraphLowering, "save_output_code", sources.append),
+    ):
         fn()
     return list(dict.fromkeys(sources))
 
