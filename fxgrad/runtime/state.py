@@ -38,29 +38,36 @@ _GROUPS: weakref.WeakValueDictionary[str, Group | ExternalGroup] = weakref.WeakV
 _NAMES = itertools.count()
 
 
-@torch.library.custom_op("fxgrad::load_state", mutates_args=())
+# Defined with torch.library's plain API rather than ``custom_op``: each runs on every step, and
+# ``custom_op``'s Python autograd wrapper costs 12 us a call on the CPU, against 3 us for a kernel
+# the dispatcher calls directly (neither takes a tensor that needs a gradient).
+_LIBRARY = torch.library.Library("fxgrad", "FRAGMENT")
+_LIBRARY.define("load_state(str group) -> Tensor")
+_LIBRARY.define("save_state(str group, Tensor value) -> ()")
+
+
 def load_state(group: str) -> torch.Tensor:
     """A copy of a state group's buffer (float64, flat)."""
     return _GROUPS[group].load()
 
 
-@load_state.register_fake
-def _load_state_fake(group: str) -> torch.Tensor:
-    found = _GROUPS[group]
-    return torch.empty(found.numel, dtype=found.dtype, device=found.device)
-
-
-@torch.library.custom_op("fxgrad::save_state", mutates_args=())
 def save_state(group: str, value: torch.Tensor) -> None:
     """Overwrite a state group's buffer with ``value``."""
     _GROUPS[group].save(value)
 
 
-@save_state.register_fake
+def _load_state_fake(group: str) -> torch.Tensor:
+    found = _GROUPS[group]
+    return torch.empty(found.numel, dtype=found.dtype, device=found.device)
+
+
 def _save_state_fake(group: str, value: torch.Tensor) -> None:
     return None
 
 
+for _op, _kernel, _fake in (("load_state", load_state, _load_state_fake), ("save_state", save_state, _save_state_fake)):
+    _LIBRARY.impl(_op, _kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"fxgrad::{_op}", _fake, lib=_LIBRARY)
 torch.fx.node.has_side_effect(torch.ops.fxgrad.save_state.default)
 
 
