@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import re
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch._dynamo  # noqa: F401  (registers torch._dynamo.* submodules)
@@ -40,6 +40,8 @@ __all__ = [
     "grad_scaler_scale",
     "grad_scaler_unscaled",
     "tensor_version",
+    "tensor_versions",
+    "layout_check",
     "foreach_norm",
     "data_parallel_world_size",
     "all_reduce",
@@ -434,6 +436,26 @@ def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
 def tensor_version(tensor: torch.Tensor) -> int:
     """The in-place modification counter of ``tensor`` (bumped by ``add_``, ``copy_``, ...)."""
     return tensor._version
+
+
+def tensor_versions(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """:func:`tensor_version` of each of ``tensors``, in one call."""
+    return [tensor._version for tensor in tensors]
+
+
+def layout_check(tensors: Sequence[torch.Tensor]) -> Callable[[Sequence[torch.Tensor]], bool]:
+    """A check that other tensors match ``tensors`` one to one in size, strides, dtype, device,
+    ``requires_grad`` and dispatch keys: Dynamo's own guard, in C++ (5 us for 98 tensors
+    where a Python tuple of the same takes 40 us)."""
+    from torch._C._dynamo.guards import TensorGuards
+
+    guards = TensorGuards(
+        *tensors,
+        dynamic_dims_sizes=[list(t.shape) for t in tensors],
+        dynamic_dims_strides=[list(t.stride()) for t in tensors],
+    )
+    count = len(tensors)
+    return lambda others: len(others) == count and guards.check(*others)
 
 
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -106,6 +106,24 @@ def test_one_program_per_layout(builds):
     assert builds[0] == 2  # a's gradients, then b's: two layouts, each built once
 
 
+@pytest.mark.inductor
+def test_a_gradient_whose_strides_change_gets_a_program_of_its_own(builds):
+    """A step reuses the last step's program after checking every gradient's layout (in C++);
+    a transposed weight gradient, of the same shape but other strides, selects its own."""
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="inductor", scope="step")
+    model = nn.Linear(8, 4)
+    for step in range(4):
+        torch.manual_seed(step)
+        weight, bias = torch.randn(4, 8), torch.randn(4)
+        model.weight.grad = weight.t().contiguous().t() if step % 2 else weight.clone()
+        model.bias.grad = bias.clone()
+        backend.step(model)
+        scale = 1e-3 / torch.cat([weight.flatten(), bias]).norm()
+        torch.testing.assert_close(model.weight.grad, weight * scale)
+        torch.testing.assert_close(model.bias.grad, bias * scale)
+    assert builds[0] == 2
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class HalveWithAConstant(ScaleLeaf):
     """Halves every gradient through a tensor constant, which a recorded graph cannot hold."""

@@ -53,7 +53,9 @@ class StepPrograms:
         self._programs: dict[tuple, Callable[..., Any]] = {}
         self._broken: str | None = None  # why building failed; then every step runs eagerly
         self._told_eager = False  # whether the warning that some gradients run eagerly was given
-        self._weights: dict[str, torch.Tensor] = {}  # while a program runs: its parameters, by name
+        # the parameters programs read weights of, by name (kept with the owners they came from)
+        self._weights: tuple[Sequence[Owner] | None, dict[str, torch.Tensor]] = (None, {})
+        self._last: tuple[Any, Callable[[Sequence[torch.Tensor]], bool], Any] = (None, lambda grads: False, None)
         self._routes: tuple[tuple, Any] | None = None  # the last step's key and routes
         self._routings: dict[tuple, int] = {}  # routes and parameter names -> a small int, for program keys
         self._last_routing: tuple[Any, int] = (None, -1)  # the last routes seen, and their int
@@ -102,32 +104,43 @@ class StepPrograms:
                 )
                 return False
             grads = [g.to_local() for g in grads]
-        key = self._routing(routes, owners), _layout(grads), group, scaler is not None, fold
-        self._weights = {o.param: o.tensor for o in owners}  # what weight-reading rules read, this step
-        try:
-            program = self._programs.get(key)
-            if program is None:
-                sparse = [o.param for o, g in zip(owners, grads) if g.layout != torch.strided]
-                if sparse:
-                    self._eager(f"sparse gradients ({', '.join(sparse)}), which Inductor does not compile")
-                    return False
-                try:
-                    program = self._build(routes, owners, grads, group, store, scaler, fold)
-                except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
-                    self._broken = f"{type(error).__name__}: {error}"
-                    warnings.warn(
-                        f"fxgrad: the compiled step program could not be built ({self._broken}); "
-                        "scope='step' runs the policy eagerly, one op at a time",
-                        RuntimeWarning,
-                        stacklevel=4,
-                    )
-                    return False
-                self._programs[key] = program
-            with torch.no_grad():
-                program(*grads)
-        finally:
-            self._weights = {}
+        variant = self._routing(routes, owners), group, scaler is not None, fold
+        if self._weights[0] is not owners:  # what weight-reading rules read, by name
+            self._weights = owners, {o.param: o.tensor for o in owners}
+        program = self._built(variant, grads)
+        if program is None:
+            sparse = [o.param for o, g in zip(owners, grads) if g.layout != torch.strided]
+            if sparse:
+                self._eager(f"sparse gradients ({', '.join(sparse)}), which Inductor does not compile")
+                return False
+            try:
+                program = self._build(routes, owners, grads, group, store, scaler, fold)
+            except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
+                self._broken = f"{type(error).__name__}: {error}"
+                warnings.warn(
+                    f"fxgrad: the compiled step program could not be built ({self._broken}); "
+                    "scope='step' runs the policy eagerly, one op at a time",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                return False
+            self._programs[variant, _layout(grads)] = program
+            self._last = variant, _compat.layout_check(grads), program
+        with torch.no_grad():
+            program(*grads)
         return True
+
+    def _built(self, variant: tuple, grads: Sequence[torch.Tensor]) -> Callable[..., Any] | None:
+        """The program built for ``variant`` (routing, process group, scaler, fold) over ``grads``'
+        layout, if any. The last step's is checked in C++; the key of the layout, a tuple per
+        gradient, takes 40 us of Python to build and hash for the deep MLP's 98 gradients."""
+        last_variant, matches, program = self._last
+        if last_variant == variant and matches(grads):
+            return program
+        program = self._programs.get((variant, _layout(grads)))
+        if program is not None:
+            self._last = variant, _compat.layout_check(grads), program
+        return program
 
     def _eager(self, why: str) -> None:
         """Say once that these gradients run the rules eagerly, one op at a time, and ``why``."""
@@ -162,7 +175,7 @@ class StepPrograms:
         """The program over ``grads`` (``owners``' gradients, or their local shards over the
         process group named ``group``)."""
         gm, inputs = _gradient_graph(owners, grads)
-        lookup = lambda names: [self._weights[name] for name in names]  # noqa: E731
+        lookup = lambda names: [self._weights[1][name] for name in names]  # noqa: E731
         with norm_math.local_shards(group) if group is not None else contextlib.nullcontext():
             new = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold, per_step=True)
         output = gm.graph.output_node()
