@@ -40,7 +40,6 @@ __all__ = [
     "grad_scaler_scale",
     "grad_scaler_unscaled",
     "tensor_version",
-    "tensor_versions",
     "layout_check",
     "foreach_norm",
     "data_parallel_world_size",
@@ -436,11 +435,6 @@ def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
 def tensor_version(tensor: torch.Tensor) -> int:
     """The in-place modification counter of ``tensor`` (bumped by ``add_``, ``copy_``, ...)."""
     return tensor._version
-
-
-def tensor_versions(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """:func:`tensor_version` of each of ``tensors``, in one call."""
-    return [tensor._version for tensor in tensors]
 
 
 def layout_check(tensors: Sequence[torch.Tensor]) -> Callable[[Sequence[torch.Tensor]], bool]:
