@@ -237,3 +237,34 @@ def test_the_model_is_found_when_torch_compile_is_wrapped(monkeypatch):
     model.compile(backend=fxgrad.backend(fxgrad.clip_by_norm(0.01), compiler="aot_eager"))
     with pytest.warns(fxgrad.CoverageWarning, match="no graph of Sequential"):
         train(model, model)
+
+
+def shared_wrapper(forward):
+    """A decorator around ``forward`` whose wrapper code every decorated model shares."""
+
+    def wrapper(self, x):
+        return forward(self, x)
+
+    return wrapper
+
+
+def test_a_model_past_the_recompile_limit_of_shared_code_is_named_with_the_cause():
+    """A forward wrapper shared by many model classes (transformers has one) is one code object
+    to Dynamo: each class's forward recompiles it, and past recompile_limit it runs eagerly."""
+
+    def model_class(index):
+        def forward(self, x):
+            return self.net(x) * (index + 1)
+
+        return type(f"Model{index}", (nn.Module,), {"forward": shared_wrapper(forward)})
+
+    limit = _compat.dynamo_config().recompile_limit
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager")
+    for index in range(limit + 1):
+        model = model_class(index)()
+        model.net = sequential()
+        if index < limit:
+            train(model, backend.compile(model), steps=1)
+            continue
+        with pytest.raises(fxgrad.CoverageError, match=f"(?s)no graph of Model{index} reached.*recompile_limit"):
+            train(model, backend.compile(model), steps=1)

@@ -205,7 +205,13 @@ class CoverageCheck:
             return
         layers = build_layers(model_rows(model, "")[0], (), self.skip)
         if first:
-            why = f"no graph of {type(model).__name__} reached the backend, so torch.compile ran it eagerly"
+            why = (
+                f"no graph of {type(model).__name__} reached the backend, so torch.compile ran it eagerly "
+                "(Dynamo runs a frame eagerly when it cannot trace it, and when the frame's code was "
+                "compiled torch._dynamo.config.recompile_limit times already, which code that many models "
+                "share reaches, e.g. a decorator's wrapper around forward as in transformers; Dynamo then "
+                "logs 'hit config.recompile_limit')"
+            )
         else:
             why = (
                 f"a forward of {type(model).__name__} ran no compiled graph: Dynamo ran it eagerly, as it "
