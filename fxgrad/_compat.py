@@ -41,6 +41,7 @@ __all__ = [
     "grad_scaler_unscaled",
     "tensor_version",
     "layout_check",
+    "may_record_grad",
     "foreach_norm",
     "data_parallel_world_size",
     "all_reduce",
@@ -450,6 +451,16 @@ def layout_check(tensors: Sequence[torch.Tensor]) -> Callable[[Sequence[torch.Te
     )
     count = len(tensors)
     return lambda others: len(others) == count and guards.check(*others)
+
+
+def may_record_grad(gm: torch.fx.GraphModule) -> bool:
+    """Whether running Dynamo's graph ``gm`` may record autograd history: grad mode is on as
+    the backend compiles it (Dynamo compiles a graph in the mode its code starts in), or the
+    graph turns it on. A compiled ``optimizer.step()`` runs under ``no_grad`` throughout."""
+    return torch.is_grad_enabled() or any(
+        bool(node.args and node.args[0])
+        for node in gm.graph.find_nodes(op="call_function", target=torch._C._set_grad_enabled)
+    )
 
 
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

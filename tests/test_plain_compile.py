@@ -268,3 +268,34 @@ def test_a_model_past_the_recompile_limit_of_shared_code_is_named_with_the_cause
             continue
         with pytest.raises(fxgrad.CoverageError, match=f"(?s)no graph of Model{index} reached.*recompile_limit"):
             train(model, backend.compile(model), steps=1)
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_train_step_compiled_whole_applies_the_policy(scope):
+    """Forward, backward and ``optimizer.step()`` in one compiled function: Dynamo breaks the
+    graph at ``backward()``, compiles the optimizer's update as a graph of its own (holding
+    the parameters, under ``no_grad``), and runs fxgrad's optimizer hooks eagerly."""
+    model = sequential()
+    expected = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    expected_optimizer = torch.optim.Adam(expected.parameters(), lr=1e-2)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager", scope=scope)
+
+    def train_step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    compiled = torch.compile(train_step, backend=backend)
+    with coverage_silent():
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            compiled(x)
+            expected(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(expected.parameters(), 1e-2)
+            expected_optimizer.step()
+            expected_optimizer.zero_grad()
+    for param, want in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(param, want)

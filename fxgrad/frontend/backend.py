@@ -410,8 +410,9 @@ class Backend:
             return
         if optimizer not in self._folded:
             self._folded[optimizer] = self._backwards
-            optimizer.register_step_pre_hook(self._folded_step)  # runs after the global hooks that give the factor
-            optimizer.register_step_post_hook(folding.after_step)
+            # After the global hooks that give the factor; eager, like them, in a compiled step.
+            optimizer.register_step_pre_hook(torch.compiler.disable(self._folded_step))
+            optimizer.register_step_post_hook(torch.compiler.disable(folding.after_step))
         if scope == "step":
             self._step.arm()
 

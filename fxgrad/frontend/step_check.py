@@ -101,7 +101,9 @@ class _GlobalHook:
 
     A hook per owner, removed when the owner is collected, would change torch's hook
     dict while it runs them whenever a collection falls inside ``optimizer.step()``
-    ("OrderedDict mutated during iteration"; the fuzzer found it).
+    ("OrderedDict mutated during iteration"; the fuzzer found it). It runs eagerly when
+    Dynamo compiles ``optimizer.step()`` (a train step compiled whole): fxgrad's
+    bookkeeping is not for tracing.
     """
 
     def __init__(self, register: Callable[[Callable], Any]) -> None:
@@ -112,7 +114,7 @@ class _GlobalHook:
     def add(self, owner: Any, method: Callable) -> None:
         if not self.registered:
             self.registered = True
-            self.register(self.run)
+            self.register(torch.compiler.disable(self.run))
         self.owners[owner] = method
 
     def run(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

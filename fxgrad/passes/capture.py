@@ -118,7 +118,8 @@ _SIMPLE_SOURCE = re.compile(r"^[LG]\['([^']+)'\]$")
 
 def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int, Root]) -> CapturedGraph:
     """Map ``gm``'s parameter inputs to layers; new models are added to ``roots``."""
-    if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+    held = any(True for _ in gm.parameters()) or any(True for _ in gm.buffers())
+    if held and _compat.may_record_grad(gm):  # not a compiled optimizer.step(), which holds its parameters
         raise NotImplementedError(
             "fxgrad needs parameters as graph inputs; keep "
             "torch._dynamo.config.inline_inbuilt_nn_modules = True (the default)"
