@@ -299,3 +299,54 @@ def test_a_train_step_compiled_whole_applies_the_policy(scope):
             expected_optimizer.zero_grad()
     for param, want in zip(model.parameters(), expected.parameters()):
         torch.testing.assert_close(param, want)
+
+
+class OutputAndView(nn.Module):
+    """Returns an output and a view of it: two autograd nodes for one call's backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = sequential()
+
+    def forward(self, x):
+        out = self.net(x)
+        return out, out[:, :2]
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_accumulated_micro_batches_under_plain_torch_compile_are_reported_in_graph_scope(scope):
+    """``backend.compile`` sees accumulation at each backward; ``torch.compile`` gets the same
+    at ``optimizer.step()``: more than one backward through one graph per step."""
+    model = sequential()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step(micro_batches):
+        for _ in range(micro_batches):
+            compiled(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    with coverage_silent():
+        step(1)
+        step(1)
+    if scope == "step":  # exact: the policy runs once, on the sum
+        with coverage_silent():
+            step(2)
+        return
+    with pytest.warns(fxgrad.CoverageWarning, match="2 backward passes ran through one compiled graph of Sequential"):
+        step(2)
+
+
+def test_one_backward_through_several_outputs_of_a_call_counts_once():
+    model = OutputAndView()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with coverage_silent():
+        for _ in range(2):
+            out, view = compiled(torch.randn(4, 8))
+            (out.sum() + view.pow(2).sum()).backward()
+            optimizer.step()
+            optimizer.zero_grad()

@@ -194,8 +194,9 @@ class Backend:
                 self._rebind(graph, args)
             outputs = compiled(*args)
             if count_backwards and torch.is_grad_enabled():
+                reached = functools.partial(self._backward_ran, graph, [False])  # once per call's backward
                 for node in {t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
-                    node.register_prehook(self._backward_ran)
+                    node.register_prehook(reached)
             return outputs
 
         graph.compiled = weakref.ref(run)
@@ -220,8 +221,14 @@ class Backend:
             "fxgrad.backend(...), or use scope='step'."
         )
 
-    def _backward_ran(self, grad_outputs: Any) -> None:
+    def _backward_ran(self, graph: CapturedGraph, reached: list[bool], grad_outputs: Any) -> None:
+        """A backward reached the outputs of one call of ``graph`` (``reached``: whether one of
+        that call's outputs was reached before; a view of an output has a node of its own)."""
+        if reached[0]:
+            return
+        reached[0] = True
         self._backwards += 1
+        graph.backwards += 1
 
     def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         """``torch.compile(model, backend=self, **compile_kwargs)``, checked at each forward.
