@@ -315,27 +315,28 @@ class OutputAndView(nn.Module):
 
 @pytest.mark.parametrize("scope", ["graph", "step"])
 def test_accumulated_micro_batches_under_plain_torch_compile_are_reported_in_graph_scope(scope):
-    """``backend.compile`` sees accumulation at each backward; ``torch.compile`` gets the same
-    at ``optimizer.step()``: more than one backward through one graph per step."""
+    """``backend.compile`` sees accumulation at each backward through a watch on the model's
+    forward; ``torch.compile`` gets the same from the compiled graph's backward."""
     model = sequential()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
     compiled = torch.compile(model, backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
 
-    def step(micro_batches):
+    def step(micro_batches, set_to_none=True):
         for _ in range(micro_batches):
             compiled(torch.randn(4, 8)).sum().backward()
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
 
     with coverage_silent():
         step(1)
+        step(1, set_to_none=False)  # zeroed in place: the next backward does not accumulate
         step(1)
     if scope == "step":  # exact: the policy runs once, on the sum
         with coverage_silent():
             step(2)
         return
-    with pytest.warns(fxgrad.CoverageWarning, match="2 backward passes ran through one compiled graph of Sequential"):
+    with pytest.warns(fxgrad.CoverageWarning, match="a backward started while .grad still held"):
         step(2)
 
 
@@ -350,3 +351,22 @@ def test_one_backward_through_several_outputs_of_a_call_counts_once():
             (out.sum() + view.pow(2).sum()).backward()
             optimizer.step()
             optimizer.zero_grad()
+
+
+def test_a_gan_generator_step_onto_the_discriminators_unzeroed_gradients_is_no_accumulation():
+    """The generator's backward runs through the discriminator and adds to its gradients, which
+    the discriminator's next ``zero_grad()`` drops before its optimizer steps them."""
+    generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    discriminator = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.1), compiler="aot_eager")
+    g, d = torch.compile(generator, backend=backend), torch.compile(discriminator, backend=backend)
+    g_optimizer, d_optimizer = torch.optim.Adam(generator.parameters()), torch.optim.Adam(discriminator.parameters())
+    with coverage_silent():
+        for _ in range(3):
+            real, noise = torch.randn(4, 8), torch.randn(4, 4)
+            d_optimizer.zero_grad()
+            d(torch.cat([real, g(noise).detach()])).mean().backward()
+            d_optimizer.step()
+            g_optimizer.zero_grad()
+            (-d(g(noise)).mean()).backward()
+            g_optimizer.step()

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 import torch.fx
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat, passes
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry, validate_skip
@@ -41,7 +42,7 @@ from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
 from fxgrad.frontend.warm_start import StandIn
-from fxgrad.frontend.watch import ForwardWatch, track_wrapper
+from fxgrad.frontend.watch import ACCUMULATING, ForwardWatch, track_wrapper
 from fxgrad.passes.capture import CapturedGraph, Root, capture
 from fxgrad.passes.graphtext import normalize_code, render_inserted
 from fxgrad.runtime.state import StateStore, group_label
@@ -95,6 +96,10 @@ class Backend:
         self._graph_runs = 0  # calls of compiled forwards
         self._backwards = 0  # backward passes through its graphs
         self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models compile() watches per forward
+        # For the plain path's accumulation check: a parameter per graph, and the version of
+        # its .grad when a backward last wrote it.
+        self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> int | None
+        self._accumulating: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> bool
         in_graph = transform is not None and scope != "step"
         self._coverage = CoverageCheck(transform, self.skip, strict) if in_graph else None
         self._step_check = None  # the optimizer.step() check of the plain torch.compile path
@@ -159,10 +164,10 @@ class Backend:
             )
         # Backward passes are counted for the optimizer.step() check of models compile() does not
         # watch per forward (the plain torch.compile path), not on every call of every graph.
-        count_backwards = self._step_check is not None and self._step_check.unwatched(graph)
+        unwatched = self._step_check is not None and self._step_check.unwatched(graph)
         # A folded graph leaves its factor to the optimizer: one backward per step may, no more (see fold()).
         folded = bool(self._folded) and self.current_scope() == "graph"
-        count_backwards = count_backwards or (folded and bool(graph.params))
+        count_backwards = unwatched or (folded and bool(graph.params))
         if self._step_check is not None:
             self._step_check.arm()
         step_scope = self.current_scope() == "step"
@@ -194,7 +199,7 @@ class Backend:
                 self._rebind(graph, args)
             outputs = compiled(*args)
             if count_backwards and torch.is_grad_enabled():
-                reached = functools.partial(self._backward_ran, graph, [False])  # once per call's backward
+                reached = functools.partial(self._backward_ran, graph, unwatched, [False])  # once per call
                 for node in {t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
                     node.register_prehook(reached)
             return outputs
@@ -221,14 +226,32 @@ class Backend:
             "fxgrad.backend(...), or use scope='step'."
         )
 
-    def _backward_ran(self, graph: CapturedGraph, reached: list[bool], grad_outputs: Any) -> None:
+    def _backward_ran(self, graph: CapturedGraph, unwatched: bool, reached: list[bool], grad_outputs: Any) -> None:
         """A backward reached the outputs of one call of ``graph`` (``reached``: whether one of
-        that call's outputs was reached before; a view of an output has a node of its own)."""
+        that call's outputs was reached before; a view of an output has a node of its own).
+
+        On the plain ``torch.compile`` path (``unwatched``: no per-forward watch does it), note
+        whether it starts while ``.grad`` still holds the previous backward's gradient; the
+        step of an optimizer that steps such gradients says so (:meth:`_before_update`). A
+        GAN's generator step runs backward through the discriminator onto its unzeroed
+        gradients, which no optimizer steps before they are zeroed."""
         if reached[0]:
             return
         reached[0] = True
         self._backwards += 1
-        graph.backwards += 1
+        if not (unwatched and graph.params and self.current_scope() == "graph"):
+            return
+        probe = graph.params[0].tensor()
+        if probe is None:
+            return
+        if probe not in self._written:
+            self._written[probe] = None
+            probe.register_post_accumulate_grad_hook(self._grad_written)
+        grad = probe.grad
+        self._accumulating[probe] = grad is not None and _compat.tensor_version(grad) == self._written[probe]
+
+    def _grad_written(self, param: nn.Parameter) -> None:
+        self._written[param] = _compat.tensor_version(param.grad)
 
     def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         """``torch.compile(model, backend=self, **compile_kwargs)``, checked at each forward.
@@ -438,13 +461,20 @@ class Backend:
 
     def _before_update(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Before the step of an optimizer of this backend's models, once the policy ran: warn if
-        the update cancels the policy, keep the weights that update-level factors scale the change
-        of, and give a folded optimizer the factor the policy left."""
+        the update cancels the policy or steps gradients accumulated over backward passes in graph
+        scope (plain path), keep the weights that update-level factors scale the change of, and
+        give a folded optimizer the factor the policy left."""
         if optimizer not in self._cancel_checked:
             self._cancel_checked.add(optimizer)
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
                 warnings.warn(why, CoverageWarning, stacklevel=4)
+        if any(self._accumulating.values()):
+            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            for probe, accumulating in list(self._accumulating.items()):
+                if accumulating and id(probe) in stepped:
+                    self._accumulating[probe] = False
+                    self._coverage.warn(ACCUMULATING)
         folded = optimizer in self._folded
         if folded:
             self._check_folded_step(optimizer, args, kwargs)  # first: a refused step keeps no weight copy

@@ -54,13 +54,6 @@ RECOMPILED = (
     "compiled one. The policy {transform!r} did not run on them."
 )
 
-ACCUMULATED = (
-    "fxgrad: {count} backward passes ran through one compiled graph of {model} before the optimizer "
-    "stepped its parameters: accumulated micro-batches, or one loss over several forwards of it (two "
-    "views, a GAN's real and fake batches). scope='graph' transforms each one's gradient, not their "
-    "sum: use fxgrad.backend(..., scope='step'), which applies the policy once, at optimizer.step()."
-)
-
 TORCH_NN_FORWARD = (
     "\n{model}.forward is torch.nn's own code, which Dynamo compiles only as the forward of the "
     "module torch.compile returns: model.compile() and torch.compile(DDP(model)) leave it eager. "
@@ -208,21 +201,7 @@ class StepCheck:
             if (seen.grad() is not probe.grad or seen.version != version) and backwards == seen.backwards:
                 self._bypassed(probe)
             seen.grad, seen.version = weakref.ref(probe.grad), version
-            self._accumulated(optimizer)
         seen.backwards = backwards
-
-    def _accumulated(self, optimizer: torch.optim.Optimizer) -> None:
-        """A graph whose parameters ``optimizer`` steps ran backward more than once since they
-        were last stepped: its policy transformed each part of their gradient, not the sum."""
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for graph in self.registry.graphs:
-            if not graph.params or id(graph.params[0].tensor()) not in stepped:
-                continue
-            count, graph.backwards_checked = graph.backwards - graph.backwards_checked, graph.backwards
-            if count > 1:
-                models = [self.registry.roots[key].module() for key in graph.roots()]
-                name = ", ".join(type(m).__name__ for m in models if m is not None) or "the model"
-                self.coverage.warn(ACCUMULATED.format(count=count, model=name))
 
     def _checked_models(self) -> list[nn.Module]:
         owner = self.owner()

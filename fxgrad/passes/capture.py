@@ -83,10 +83,6 @@ class CapturedGraph:
     gaps: list = dataclasses.field(default_factory=list)
     # Prefixes given to modules whose layer names other modules already had:
     renamed_roots: list = dataclasses.field(default_factory=list)
-    # Backward passes through it (counted for the optimizer.step() check), and the count that
-    # check last saw:
-    backwards: int = 0
-    backwards_checked: int = 0
     # The compiled callable Dynamo holds; dead after torch._dynamo.reset():
     compiled: weakref.ref | None = None
     _by_name: dict | None = dataclasses.field(default=None, repr=False)
