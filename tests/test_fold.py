@@ -230,7 +230,10 @@ def test_graph_scope_folds_only_what_its_graphs_have_not_scaled():
     compiled(torch.randn(4, 8)).sum().backward()
     compiled(torch.randn(4, 8)).sum().backward()
     with pytest.raises(ValueError, match=r"fold in graph scope: 2 backward passes"):
-        optimizer.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+    assert any("still held the previous backward's gradient" in str(w.message) for w in caught)
 
 
 def test_optimizers_it_cannot_fold_are_refused():
