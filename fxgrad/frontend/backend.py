@@ -42,7 +42,7 @@ from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
 from fxgrad.frontend.warm_start import StandIn
-from fxgrad.frontend.watch import ACCUMULATING, ForwardWatch, track_wrapper
+from fxgrad.frontend.watch import ACCUMULATING, ForwardWatch, GradWrites, track_wrapper
 from fxgrad.passes.capture import CapturedGraph, Root, capture
 from fxgrad.passes.graphtext import normalize_code, render_inserted
 from fxgrad.runtime.state import StateStore, group_label
@@ -96,9 +96,8 @@ class Backend:
         self._graph_runs = 0  # calls of compiled forwards
         self._backwards = 0  # backward passes through its graphs
         self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models compile() watches per forward
-        # For the plain path's accumulation check: a parameter per graph, and the version of
-        # its .grad when a backward last wrote it.
-        self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> int | None
+        # For the plain path's accumulation check: a parameter per graph.
+        self._writes = GradWrites()
         self._accumulating: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> bool
         in_graph = transform is not None and scope != "step"
         self._coverage = CoverageCheck(transform, self.skip, strict) if in_graph else None
@@ -244,14 +243,8 @@ class Backend:
         probe = graph.params[0].tensor()
         if probe is None:
             return
-        if probe not in self._written:
-            self._written[probe] = None
-            probe.register_post_accumulate_grad_hook(self._grad_written)
-        grad = probe.grad
-        self._accumulating[probe] = grad is not None and _compat.tensor_version(grad) == self._written[probe]
-
-    def _grad_written(self, param: nn.Parameter) -> None:
-        self._written[param] = _compat.tensor_version(param.grad)
+        self._writes.watch(probe)
+        self._accumulating[probe] = self._writes.holds_last_backward(probe)
 
     def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         """``torch.compile(model, backend=self, **compile_kwargs)``, checked at each forward.

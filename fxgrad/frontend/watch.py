@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat
 from fxgrad.frontend.coverage import CoverageCheck
@@ -76,6 +77,36 @@ def track_wrapper(model: nn.Module, compiled: nn.Module) -> None:
     _SHARED.setdefault(model, _Shared()).wrappers.append(weakref.ref(compiled))
 
 
+class GradWrites:
+    """Whether a parameter's ``.grad`` still holds what the last backward wrote.
+
+    The version its gradient had at that write is still current unless someone zeroed it
+    (``zero_grad(set_to_none=False)`` bumps the version; ``set_to_none`` drops the
+    gradient). So a backward that starts while this holds accumulates onto the last one::
+
+        writes = GradWrites()
+        writes.watch(param)
+        loss.backward()
+        writes.holds_last_backward(param)  # True until zero_grad()
+    """
+
+    def __init__(self) -> None:
+        self._versions: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> int | None
+
+    def watch(self, param: nn.Parameter) -> None:
+        """Follow the backward writes of ``param.grad`` from now on (again: a no-op)."""
+        if param not in self._versions:
+            self._versions[param] = None
+            param.register_post_accumulate_grad_hook(self._written)
+
+    def _written(self, param: nn.Parameter) -> None:
+        self._versions[param] = _compat.tensor_version(param.grad)
+
+    def holds_last_backward(self, param: nn.Parameter) -> bool:
+        grad = param.grad
+        return grad is not None and _compat.tensor_version(grad) == self._versions.get(param)
+
+
 class _Forward:
     """One training forward: its outputs (weakly) and whether backward reached them."""
 
@@ -102,15 +133,13 @@ class ForwardWatch:
         self._runs_before = 0
         self._first = True
         self._forwards: list[_Forward] = []
-        # One parameter's .grad tells accumulation apart from a fresh step: the version
-        # its gradient had when backward last wrote it is still current unless someone
-        # zeroed it (zero_grad(set_to_none=False) bumps the version; set_to_none drops it).
+        # One parameter's .grad tells accumulation apart from a fresh step.
         self._probe_name, self._probe = next(
             ((n, p) for n, p in model.named_parameters() if p.requires_grad), (None, None)
         )
         owner, _, self._probe_attr = (self._probe_name or "").rpartition(".")
         self._probe_owner = model.get_submodule(owner) if self._probe is not None else None
-        self._written_version: int | None = None
+        self._writes = GradWrites()
         # Backwards that reached a compiled forward's outputs (of any backend: explain()
         # compiles the model with its own), then as of the probe's last gradient write.
         # No new pass in between: that gradient bypassed the policy.
@@ -123,19 +152,22 @@ class ForwardWatch:
         compiled.register_forward_pre_hook(self._before)
         compiled.register_forward_hook(self._after)
         if self._probe is not None:
-            self._probe.register_post_accumulate_grad_hook(self._grad_written)
+            self._watch_probe()
 
     def _follow_probe(self) -> None:
         """``load_state_dict(assign=True)`` replaces parameters: watch the new one."""
         current = getattr(self._probe_owner, self._probe_attr, None)
         if isinstance(current, nn.Parameter) and current is not self._probe:
-            self._probe, self._written_version = current, None
-            current.register_post_accumulate_grad_hook(self._grad_written)
+            self._probe = current
+            self._watch_probe()
 
-    def _grad_written(self, param: nn.Parameter) -> None:
+    def _watch_probe(self) -> None:
+        self._writes.watch(self._probe)
+        self._probe.register_post_accumulate_grad_hook(self._check_bypass)
+
+    def _check_bypass(self, param: nn.Parameter) -> None:
         if param is not self._probe:  # replaced since
             return
-        self._written_version = _compat.tensor_version(param.grad)
         # Only for the newest compiled module of the model: compiling it again (another
         # backend or scope, explain(), a notebook cell run twice) leaves this hook behind.
         if self._shared.passes == self._passes_seen and self.in_graph() and self._shared.newest() is self._compiled():
@@ -170,8 +202,7 @@ class ForwardWatch:
         if forward.reached:
             return
         forward.reached = True
-        grad = self._probe.grad if self._probe is not None else None
-        if grad is not None and _compat.tensor_version(grad) == self._written_version:
+        if self._probe is not None and self._writes.holds_last_backward(self._probe):
             self.coverage.warn(ACCUMULATING)
         if any(other.waiting() for other in self._forwards if other is not forward):
             self.coverage.warn(TWO_FORWARDS.format(model=type(self.model).__name__))
