@@ -54,6 +54,7 @@ class GraphRecorder(TorchDispatchMode):
         self.label = "fxgrad"
         self._nodes: dict[int, tuple[torch.Tensor, torch.fx.Node]] = {}
         self._results_by_signature: dict[tuple, torch.Tensor] = {}
+        self._keys: dict[int, tuple] = {}  # id of a node's tensor -> its part of a signature
         self._recorded: list[torch.fx.Node] = []
 
     def bind(self, node: torch.fx.Node) -> torch.Tensor:
@@ -151,13 +152,7 @@ class GraphRecorder(TorchDispatchMode):
 
         def key(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                if (
-                    not _compat.fake_of(value, self.fake_mode)
-                    or value.layout != torch.strided  # a sparse gradient (nn.Embedding(sparse=True))
-                    or not all(isinstance(n, int) for n in value.shape)
-                ):
-                    raise _NotPlain
-                return (value.shape, value.stride(), value.dtype, value.device)
+                return self._tensor_key(value)
             if isinstance(value, (list, tuple)):
                 return tuple(key(v) for v in value)
             if isinstance(value, (bool, int, float)):
@@ -175,15 +170,31 @@ class GraphRecorder(TorchDispatchMode):
         except _NotPlain:
             return None
 
+    def _tensor_key(self, value: torch.Tensor) -> tuple:
+        """A tensor's part of a signature; kept for the tensors of graph nodes (alive while
+        recording, so their ids stay theirs), which rules mostly read more than once."""
+        known = self._keys.get(id(value))
+        if known is not None:
+            return known
+        if (
+            not _compat.fake_of(value, self.fake_mode)
+            or value.layout != torch.strided  # a sparse gradient (nn.Embedding(sparse=True))
+            or not all(isinstance(n, int) for n in value.shape)
+        ):
+            raise _NotPlain
+        key = (value.shape, value.stride(), value.dtype, value.device)
+        if id(value) in self._nodes:
+            self._keys[id(value)] = key
+        return key
+
     def _record(self, func, args, kwargs, result) -> torch.fx.Node:
         map_arg = lambda a: self.node(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
-        node = self.graph.create_node(
-            "call_function",
-            func,
-            torch.fx.node.map_aggregate(args, map_arg),
-            torch.fx.node.map_aggregate(kwargs, map_arg),
-            name=PREFIX + func.overloadpacket.__name__,
-        )
+        # Arguments assigned after creation: create_node's walk of them for symbolic scalars
+        # costs twice as much as the rest of it, and a static-shape recording has none.
+        node = self.graph.create_node("call_function", func, name=PREFIX + func.overloadpacket.__name__)
+        node.args = torch.fx.node.map_aggregate(args, map_arg)
+        if kwargs:
+            node.kwargs = torch.fx.node.map_aggregate(kwargs, map_arg)
         self._tag(node, result)
         return node
 
