@@ -115,7 +115,7 @@ class Executor:
 
     def _known(self, name: str, orders: Sequence[float]) -> bool:
         known = self._norms.get(name)
-        return known is not None and all(p in known[0].sums for p in orders)
+        return known is not None and known[0].orders.issuperset(orders)
 
     def at_end(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` after the last route (e.g. to read the final norms)."""
