@@ -119,6 +119,11 @@ def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
         return results
 
     record(gm, fake_mode, outputs, rule)
+    assert _check_against_fake_dispatch(gm, fake_mode) > 200
+
+
+def _check_against_fake_dispatch(gm, fake_mode) -> int:
+    """Check each inserted node's metadata against a real fake dispatch; how many were checked."""
     checked = 0
     for node in passes.inserted_nodes(gm):
         args = torch.fx.node.map_arg(node.args, lambda n: n.meta["val"])
@@ -135,7 +140,45 @@ def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
         if node.target in _compat.VIEWS:  # a view shares its input's storage
             assert got.untyped_storage()._cdata == args[0].untyped_storage()._cdata, node.format_node()
         checked += 1
-    assert checked > 200
+    return checked
+
+
+def test_replayed_recordings_are_copies_with_the_metadata_a_fake_dispatch_gives():
+    """A per-tensor function is recorded once per signature and copied for tensors like the
+    first one (here views of one storage at other offsets); a function that reads a tensor
+    other than its arguments is recorded again each time."""
+
+    def rows(x):
+        return x[0], x[1], x[2].t()
+
+    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    with fake_mode:
+        gm = make_fx(rows, tracing_mode="real")(torch.randn(3, 4, 4))
+    outputs = passes.gradient_outputs(gm, num_forward_inputs=3)
+
+    runs = []
+
+    def per_tensor(x, scale):
+        runs.append(x)
+        y = x.reshape(-1)[1:].unsqueeze(0) * scale
+        return (y / (y * y).sum(dim=1, keepdim=True).sqrt()).squeeze(0)
+
+    recorder = GraphRecorder(gm, fake_mode, _compat.inductor_decompositions())
+    values = [recorder.bind(node) for node in outputs]
+    with recorder.recording():
+        copied = [recorder.replay(per_tensor, v, 2.0) for v in values]
+        closure = values[0]
+        again = [recorder.replay(lambda x: runs.append(x) or x * closure.sum(), v) for v in values[:2]]
+    # values[1] is like values[0]: copied; values[2] (transposed) is not; the closure ran twice
+    assert [id(x) for x in runs] == [id(values[0]), id(values[2]), id(values[0]), id(values[1])]
+    calls = [[recorder.node(t)] for t in copied]
+    for call in calls:  # walk each call's nodes back to the gradient it read
+        while call[-1] not in outputs:
+            call.append(call[-1].args[0])
+    assert [n.target for n in calls[0]] == [n.target for n in calls[1]]
+    assert calls[0][-1] is outputs[0] and calls[1][-1] is outputs[1]
+    assert recorder.node(again[0]).args[1] is not recorder.node(again[1]).args[1]
+    assert _check_against_fake_dispatch(gm, fake_mode) == len(passes.inserted_nodes(gm))
 
 
 def test_ops_on_sparse_values_get_sparse_results():

@@ -84,6 +84,7 @@ def record_policy(
             set_label=lambda label: setattr(recorder, "label", label),
             fold=fold,
             per_step=per_step,
+            replay=recorder.replay,
         )
     results = {name: [recorder.node(tensor) for tensor in new] for name, new in tensors.items()}
     recorder.eliminate_dead_code(node for nodes in results.values() for node in nodes)

@@ -25,13 +25,17 @@ the same signature get a new fake tensor with the same metadata, without the
 dispatch (~13 us instead of 0.1-1 ms; a 1000-layer model records ~10000 ops).
 View ops (``view``, ``slice``, ``unsqueeze``, ...) are reused the same way, as
 views of their new input's storage at the same offset relative to it.
+
+:meth:`GraphRecorder.replay` goes one step further for a function a rule runs
+once per gradient: recorded once per argument signature, then copied node by
+node for the other gradients, with no dispatch at all.
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx
@@ -55,6 +59,7 @@ class GraphRecorder(TorchDispatchMode):
         self._nodes: dict[int, tuple[torch.Tensor, torch.fx.Node]] = {}
         self._results_by_signature: dict[tuple, torch.Tensor] = {}
         self._keys: dict[int, tuple] = {}  # id of a node's tensor -> its part of a signature
+        self._templates: dict[tuple, tuple | None] = {}  # see replay
         self._recorded: list[torch.fx.Node] = []
 
     def bind(self, node: torch.fx.Node) -> torch.Tensor:
@@ -80,6 +85,69 @@ class GraphRecorder(TorchDispatchMode):
         """Record every op run inside the block, before the graph's output node."""
         with self.graph.inserting_before(self.graph.output_node()), self.fake_mode, self:
             yield self
+
+    def replay(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, recorded once per signature of the arguments, then copied.
+
+        ``fn`` must compute its result from its arguments alone, the same way for
+        arguments of the same shapes, strides, dtypes and devices (and equal other
+        values): a per-gradient function such as SinkGD's iterations. A copy makes
+        each node with a fake result like the recorded one and skips the dispatch
+        (~2x fewer microseconds per op). Recordings that read another tensor, or run
+        an op other than a functional or view op, are not copied: ``fn`` runs again.
+        """
+        try:
+            key = (fn, tuple(self._tensor_key(a) if isinstance(a, torch.Tensor) else a for a in args))
+            hash(key)
+        except (_NotPlain, TypeError):
+            return fn(*args)
+        if key in self._templates:
+            template = self._templates[key]
+            return fn(*args) if template is None else self._copy(template, args)
+        start = len(self._recorded)
+        result = fn(*args)
+        self._templates[key] = self._template(args, result, self._recorded[start:])
+        return result
+
+    def _template(self, args, result, nodes: list[torch.fx.Node]) -> tuple | None:
+        """What :meth:`_copy` needs, or None when the recording cannot be copied."""
+        inputs = [self._nodes.get(id(a), (None, None))[1] for a in args if isinstance(a, torch.Tensor)]
+        if None in inputs or len(set(inputs)) < len(inputs):
+            return None
+        results = list(result) if isinstance(result, (list, tuple)) else [result]
+        if not all(isinstance(r, torch.Tensor) and id(r) in self._nodes for r in results):
+            return None
+        known = set(inputs)
+        for node in nodes:
+            copyable = node.target in _compat.VIEWS or (
+                _compat.returns_new_tensors(node.target) and isinstance(node.meta["val"], torch.Tensor)
+            )
+            if not copyable or not known.issuperset(node.all_input_nodes):
+                return None
+            known.add(node)
+        outputs = [self.node(r) for r in results]
+        if not known.issuperset(outputs):
+            return None
+        return inputs, nodes, outputs, type(result) if isinstance(result, (list, tuple)) else None
+
+    def _copy(self, template: tuple, args) -> Any:
+        inputs, nodes, outputs, container = template
+        new = dict(zip(inputs, (self.node(a) for a in args if isinstance(a, torch.Tensor))))
+        for node in nodes:
+            copy = self.graph.create_node("call_function", node.target, name=PREFIX + node.target.overloadpacket.__name__)
+            copy.args = torch.fx.node.map_arg(node.args, new.__getitem__)
+            if node.kwargs:
+                copy.kwargs = torch.fx.node.map_arg(node.kwargs, new.__getitem__)
+            value = node.meta["val"]
+            if node.target in _compat.VIEWS:
+                base, template_base = copy.args[0].meta["val"], node.args[0].meta["val"]
+                offset = base.storage_offset() + value.storage_offset() - template_base.storage_offset()
+                self._tag(copy, _compat.new_fake_view(base, value, offset))
+            else:
+                self._tag(copy, _compat.new_fake_like(self.fake_mode, value))
+            new[node] = copy
+        results = [new[node].meta["val"] for node in outputs]
+        return results[0] if container is None else container(results)
 
     def eliminate_dead_code(self, keep: Iterable[torch.fx.Node]) -> None:
         """After recording, erase the recorded nodes whose values nothing uses: not in ``keep``,

@@ -162,7 +162,7 @@ class AdaptiveGradClip(Leaf):
         clipping = ctx.threshold(self.clipping)
         out = []
         for group, layer_norms in zip(grads, weight_norms):
-            out.append([self._one(g, w, inverse, clipping) for g, w in zip(group, layer_norms)])
+            out.append([ctx.per_tensor(self._one, g, w, inverse, clipping) for g, w in zip(group, layer_norms)])
         return out
 
     def _one(

@@ -285,7 +285,7 @@ class Sinkhorn(Leaf):
         self.set(iters=validate.positive_int("iters", self.iters, 100, unrolled))
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
-        return [[self._one(g, ctx.scale) for g in group] for group in grads]
+        return [[ctx.per_tensor(self._one, g, ctx.scale) for g in group] for group in grads]
 
     def _one(self, grad: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         x = widen(grad)

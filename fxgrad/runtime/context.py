@@ -47,8 +47,10 @@ class GraphContext:
         frame: int = 0,
         fold: bool = False,
         per_step: bool = False,
+        replay: Callable[..., Any] = lambda fn, *args: fn(*args),
     ) -> None:
         self.store, self.device = store, device
+        self.replay = replay
         self.params = params
         self.frame = frame
         self.fold = fold  # leave the global factor to the optimizer: see Executor
@@ -123,6 +125,15 @@ class RouteContext:
     def scale(self) -> torch.Tensor | None:
         """The loss scale (float64, 0-dim) when the backend has a GradScaler."""
         return self.graph.scale
+
+    def per_tensor(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """``fn(*args)``, for a function of its arguments alone that a rule runs once per
+        gradient: graph scope records it once per kind of argument (shapes, strides, dtypes,
+        devices, other values) and copies that recording for the rest, ~2x cheaper per op.
+
+            out = [[ctx.per_tensor(self._one, g, ctx.scale) for g in group] for group in grads]
+        """
+        return self.graph.replay(fn, *args)
 
     def threshold(self, value: float) -> float | torch.Tensor:
         """A clipping threshold as configured, times the factor that

@@ -50,6 +50,7 @@ def run_policy(
     set_label: Callable[[str], None] = lambda label: None,
     fold: bool = False,
     per_step: bool = False,
+    replay: Callable[..., Any] = lambda fn, *args: fn(*args),
 ) -> None:
     """Apply ``routes`` to ``grads`` (layer name -> its gradients, replaced in place).
 
@@ -59,10 +60,13 @@ def run_policy(
     :class:`~fxgrad.runtime.context.GraphContext`); ``set_label`` names the
     ops that follow (graph scope tags the recorded nodes with it); ``fold``
     leaves the global factor to the optimizer (see the module docstring);
-    ``per_step``: the gradients are the step's whole ``.grad`` (step scope).
+    ``per_step``: the gradients are the step's whole ``.grad`` (step scope);
+    ``replay(fn, *args)`` runs a rule's per-tensor function (graph scope copies
+    its recording for tensors like ones it has seen: see
+    :meth:`~fxgrad.passes.record.GraphRecorder.replay`).
     """
     set_label("loss scale")
-    graph = GraphContext(store, device, scaler, params, frame, fold, per_step)
+    graph = GraphContext(store, device, scaler, params, frame, fold, per_step, replay)
     executor = Executor(grads, graph, set_label)
     executor.run(routes)
     set_label("statistics")
