@@ -88,7 +88,7 @@ class ClipByNorm(_NormClip):
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         max_norm = ctx.threshold(self.max_norm)
-        return [norm_math.clip_coefficient(s.norm(self.norm_type), max_norm) for s in stats]
+        return [ctx.per_tensor(norm_math.clip_coefficient, s.norm(self.norm_type), max_norm) for s in stats]
 
 
 @rule

@@ -165,12 +165,14 @@ class Rescale(ScaleLeaf):
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         layer_norms = [s.norm(2.0) for s in stats]
         targets = self._targets(layer_norms, layers, ctx)
-        out: list[Factor] = []
-        for layer, norm, target in zip(layers, layer_norms, targets):
-            factor = (target / (norm + self.EPS)) ** self.alpha
-            multiplier = self.multiplier(layer)
-            out.append(factor * multiplier if multiplier != 1.0 else factor)
-        return out
+        return [
+            ctx.per_tensor(self._factor, norm, target, self.multiplier(layer))
+            for layer, norm, target in zip(layers, layer_norms, targets)
+        ]
+
+    def _factor(self, norm: torch.Tensor, target: float | torch.Tensor, multiplier: float) -> torch.Tensor:
+        factor = (target / (norm + self.EPS)) ** self.alpha
+        return factor * multiplier if multiplier != 1.0 else factor
 
     def _targets(self, layer_norms: list[torch.Tensor], layers: Sequence[Layer], ctx: RouteContext) -> list:
         """``T_l`` per layer; state-backed for ``"mean"`` with ``every`` and for ``"ema"``."""

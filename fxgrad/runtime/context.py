@@ -128,7 +128,7 @@ class RouteContext:
 
     def per_tensor(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         """``fn(*args)``, for a function of its arguments alone that a rule runs once per
-        gradient: graph scope records it once per kind of argument (shapes, strides, dtypes,
+        gradient or layer: graph scope records it once per kind of argument (shapes, strides, dtypes,
         devices, other values) and copies that recording for the rest, ~2x cheaper per op.
 
             out = [[ctx.per_tensor(self._one, g, ctx.scale) for g in group] for group in grads]

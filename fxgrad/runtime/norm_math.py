@@ -24,7 +24,7 @@ import contextlib
 import contextvars
 import functools
 import math
-from typing import Iterable, Iterator, Literal, Sequence
+from typing import Callable, Iterable, Iterator, Literal, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -81,6 +81,10 @@ def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     if p == 1.0:
         return _reduce([t.abs().sum() for t in wide], torch.add)
     return _reduce([t.abs().pow(p).sum() for t in wide], torch.add)
+
+
+def _power_sum_of(p: float, *tensors: torch.Tensor) -> torch.Tensor:
+    return power_sum(tensors, p)
 
 
 def abs_max(tensor: torch.Tensor) -> torch.Tensor:
@@ -164,9 +168,15 @@ def _power(factor: Factor, p: float) -> Factor:
     return factor * factor if p == 2.0 else factor**p
 
 
-def layer_stats(layers: Sequence[Sequence[torch.Tensor]], orders: Sequence[float]) -> list[NormStats]:
-    """The :class:`NormStats` of each layer's gradients (``layers[i]``), over all their shards."""
-    local = [[power_sum(grads, p) for p in orders] for grads in layers]
+def layer_stats(
+    layers: Sequence[Sequence[torch.Tensor]],
+    orders: Sequence[float],
+    replay: Callable[..., torch.Tensor] = lambda fn, *args: fn(*args),
+) -> list[NormStats]:
+    """The :class:`NormStats` of each layer's gradients (``layers[i]``), over all their shards.
+    ``replay(fn, *args)`` runs each layer's power sums (see
+    :meth:`~fxgrad.runtime.context.RouteContext.per_tensor`)."""
+    local = [[replay(_power_sum_of, p, *grads) for p in orders] for grads in layers]
     sums = [over_shards([row[i] for row in local], "max" if math.isinf(p) else "sum") for i, p in enumerate(orders)]
     return [NormStats({p: sums[i][k] for i, p in enumerate(orders)}) for k in range(len(layers))]
 
