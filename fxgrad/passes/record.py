@@ -97,7 +97,7 @@ class GraphRecorder(TorchDispatchMode):
         an op other than a functional or view op, are not copied: ``fn`` runs again.
         """
         try:
-            key = (fn, tuple(self._tensor_key(a) if isinstance(a, torch.Tensor) else a for a in args))
+            key = (fn, tuple(self._tensor_key(a) if isinstance(a, torch.Tensor) else (type(a), a) for a in args))
             hash(key)
         except (_NotPlain, TypeError):
             return fn(*args)
