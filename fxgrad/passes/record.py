@@ -134,7 +134,9 @@ class GraphRecorder(TorchDispatchMode):
         inputs, nodes, outputs, container = template
         new = dict(zip(inputs, (self.node(a) for a in args if isinstance(a, torch.Tensor))))
         for node in nodes:
-            copy = self.graph.create_node("call_function", node.target, name=PREFIX + node.target.overloadpacket.__name__)
+            copy = self.graph.create_node(
+                "call_function", node.target, name=PREFIX + node.target.overloadpacket.__name__
+            )
             copy.args = torch.fx.node.map_arg(node.args, new.__getitem__)
             if node.kwargs:
                 copy.kwargs = torch.fx.node.map_arg(node.kwargs, new.__getitem__)

@@ -112,7 +112,8 @@ class Executor:
     def norms_now(self, names: Sequence[str], orders: Sequence[float]) -> list[norm_math.NormStats]:
         """Unscaled norm statistics of the current gradients of ``names``."""
         unknown = [name for name in names if not self._known(name, orders)]
-        for name, stats in zip(unknown, norm_math.layer_stats([self.grads[name] for name in unknown], orders, self.graph.replay)):
+        grads = [self.grads[name] for name in unknown]
+        for name, stats in zip(unknown, norm_math.layer_stats(grads, orders, self.graph.replay)):
             self._norms[name] = (stats if self.inverse_scale is None else stats.scaled(self.inverse_scale), 1.0)
         known = [self._norms[name] for name in names]
         return [stats if _is_one(factor) else stats.scaled(factor) for stats, factor in known]
