@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from fxgrad import _compat
 from fxgrad.core.layers import Layer
-from fxgrad.runtime.norm_math import replicated
+from fxgrad.runtime.norm_math import call, replicated
 from fxgrad.runtime.state import StateStore, flat
 
 Shape = tuple[int, ...]
@@ -47,7 +47,7 @@ class GraphContext:
         frame: int = 0,
         fold: bool = False,
         per_step: bool = False,
-        replay: Callable[..., Any] = lambda fn, *args: fn(*args),
+        replay: Callable[..., Any] = call,
     ) -> None:
         self.store, self.device = store, device
         self.replay = replay

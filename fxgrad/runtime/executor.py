@@ -50,7 +50,7 @@ def run_policy(
     set_label: Callable[[str], None] = lambda label: None,
     fold: bool = False,
     per_step: bool = False,
-    replay: Callable[..., Any] = lambda fn, *args: fn(*args),
+    replay: Callable[..., Any] = norm_math.call,
 ) -> None:
     """Apply ``routes`` to ``grads`` (layer name -> its gradients, replaced in place).
 

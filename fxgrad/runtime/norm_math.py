@@ -87,6 +87,12 @@ def _power_sum_of(p: float, *tensors: torch.Tensor) -> torch.Tensor:
     return power_sum(tensors, p)
 
 
+def call(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """``fn(*args)``: the ``replay`` of code that runs on real tensors (step scope) and
+    records nothing (see :meth:`~fxgrad.runtime.context.RouteContext.per_tensor`)."""
+    return fn(*args)
+
+
 def abs_max(tensor: torch.Tensor) -> torch.Tensor:
     """``max |tensor|``, 0 for an empty tensor (a rank's shard of a short FSDP2 parameter)."""
     return tensor.abs().amax() if tensor.numel() else tensor.new_zeros((), dtype=tensor.real.dtype)
@@ -132,11 +138,11 @@ class NormStats:
     ``p = 2``; a chain of scaling rules reads each layer's norm after each one).
     """
 
-    def __init__(self, sums: dict[float, torch.Tensor]) -> None:
-        self.orders = frozenset(sums)
+    def __init__(self, sums: dict[float, torch.Tensor], scaled_from: tuple[NormStats, Factor] | None = None) -> None:
+        self.orders = frozenset(sums) if scaled_from is None else scaled_from[0].orders
         self._sums = dict(sums)
         self._norms: dict[float, torch.Tensor] = {}
-        self._scaled_from: tuple[NormStats, Factor] | None = None
+        self._scaled_from = scaled_from
 
     def sum(self, p: float) -> torch.Tensor:
         """``sum |g|^p`` over the layer's gradients (``max |g|`` for ``p = inf``)."""
@@ -156,9 +162,7 @@ class NormStats:
 
     def scaled(self, factor: Factor) -> NormStats:
         """The statistics of the gradients multiplied by ``factor >= 0``."""
-        scaled = NormStats({})
-        scaled.orders, scaled._scaled_from = self.orders, (self, factor)
-        return scaled
+        return NormStats({}, scaled_from=(self, factor))
 
 
 def _power(factor: Factor, p: float) -> Factor:
@@ -171,7 +175,7 @@ def _power(factor: Factor, p: float) -> Factor:
 def layer_stats(
     layers: Sequence[Sequence[torch.Tensor]],
     orders: Sequence[float],
-    replay: Callable[..., torch.Tensor] = lambda fn, *args: fn(*args),
+    replay: Callable[..., torch.Tensor] = call,
 ) -> list[NormStats]:
     """The :class:`NormStats` of each layer's gradients (``layers[i]``), over all their shards.
     ``replay(fn, *args)`` runs each layer's power sums (see
