@@ -315,11 +315,11 @@ def flat(values: Iterable[torch.Tensor]) -> torch.Tensor:
     Written as a sum of zero-padded pieces rather than ``torch.cat``: Inductor
     fuses the padding into the kernels that compute the pieces, while a
     ``cat`` of reduction results made it split the gradient-norm reductions
-    into one extra kernel per gradient. Floating pieces are not cast one by one:
-    the first padded piece is, and adding float64 promotes the rest exactly
-    (one recorded op less per piece; a 1000-layer monitor flattens 1000 norms).
+    into one extra kernel per gradient. The pieces are not cast one by one: the
+    first padded piece is, and adding float64 promotes the rest exactly (one
+    recorded op less per piece; a 1000-layer monitor flattens 1000 norms).
     """
-    pieces = [v.reshape(-1) if v.is_floating_point() else v.reshape(-1).to(torch.float64) for v in values]
+    pieces = [v.reshape(-1) for v in values]
     total, offset, out = sum(p.numel() for p in pieces), 0, None
     for piece in pieces:
         padded = torch.nn.functional.pad(piece, (offset, total - offset - piece.numel()))
