@@ -107,39 +107,49 @@ class StepPrograms:
         variant = self._routing(routes, owners), group, scaler is not None, fold
         if self._weights[0] is not owners:  # what weight-reading rules read, by name
             self._weights = owners, {o.param: o.tensor for o in owners}
-        program = self._built(variant, grads)
-        if program is None:
+
+        def build() -> Callable[..., Any] | None:
             sparse = [o.param for o, g in zip(owners, grads) if g.layout != torch.strided]
             if sparse:
                 self._eager(f"sparse gradients ({', '.join(sparse)}), which Inductor does not compile")
-                return False
+                return None
             try:
-                program = self._build(routes, owners, grads, group, store, scaler, fold)
+                return self._build(routes, owners, grads, group, store, scaler, fold)
             except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
                 self._broken = f"{type(error).__name__}: {error}"
                 warnings.warn(
                     f"fxgrad: the compiled step program could not be built ({self._broken}); "
                     "scope='step' runs the policy eagerly, one op at a time",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=6,
                 )
-                return False
-            self._programs[variant, _layout(grads)] = program
-            self._last = variant, _compat.layout_check(grads), program
+                return None
+
+        program = self._program(variant, grads, build)
+        if program is None:
+            return False
         with torch.no_grad():
             program(*grads)
         return True
 
-    def _built(self, variant: tuple, grads: Sequence[torch.Tensor]) -> Callable[..., Any] | None:
-        """The program built for ``variant`` (routing, process group, scaler, fold) over ``grads``'
-        layout, if any. The last step's is checked in C++; the key of the layout, a tuple per
-        gradient, takes 40 us of Python to build and hash for the deep MLP's 98 gradients."""
+    def _program(
+        self, variant: tuple, grads: Sequence[torch.Tensor], build: Callable[[], Callable[..., Any] | None]
+    ) -> Callable[..., Any] | None:
+        """The program for ``variant`` (routing, process group, scaler, fold) over ``grads``'
+        layout, built by ``build()`` the first time (None: it was not). The last step's is
+        checked in C++; the key of the layout, a tuple per gradient, takes 40 us of Python to
+        build and hash for the deep MLP's 98 gradients."""
         last_variant, matches, program = self._last
         if last_variant == variant and matches(grads):
             return program
-        program = self._programs.get((variant, _layout(grads)))
-        if program is not None:
-            self._last = variant, _compat.layout_check(grads), program
+        key = variant, _layout(grads)
+        program = self._programs.get(key)
+        if program is None:
+            program = build()
+            if program is None:
+                return None
+            self._programs[key] = program
+        self._last = variant, _compat.layout_check(grads), program
         return program
 
     def _eager(self, why: str) -> None:
