@@ -213,6 +213,35 @@ def test_step_scope_on_the_plain_path_needs_no_backend_step(compile_with):
         torch.testing.assert_close(actual, wanted, rtol=1e-6, atol=1e-7)
 
 
+class Adapted(nn.Module):
+    """A frozen base layer with a trainable low-rank adapter beside it, as LoRA does."""
+
+    def __init__(self):
+        super().__init__()
+        self.base, self.down, self.up = nn.Linear(8, 8), nn.Linear(8, 2, bias=False), nn.Linear(2, 8, bias=False)
+        self.base.requires_grad_(False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_a_frozen_base_with_trainable_adapters_is_clipped_and_the_frozen_layer_named():
+    """The graph's first parameter is frozen: the accumulation check watches a trainable one."""
+    torch.manual_seed(0)
+    model = Adapted()
+    expected = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager"))
+    x = torch.randn(4, 8)
+    with pytest.warns(fxgrad.CoverageWarning, match="1 layer the policy targets is frozen .* no gradient: base$"):
+        train(model, compiled, steps=2, x=x)
+    model.zero_grad()
+    compiled(x).sum().backward()
+    expected.load_state_dict(model.state_dict())
+    expected(x).sum().backward()
+    ref.clip_global(expected, 1e-3)
+    assert_grads_close(model, expected)
+
+
 @pytest.mark.inductor
 def test_plain_inductor_loop_is_exact_and_silent():
     model = TwoOutputs()

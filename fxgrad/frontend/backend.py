@@ -240,8 +240,8 @@ class Backend:
         self._backwards += 1
         if not (unwatched and graph.params and self.current_scope() == "graph"):
             return
-        probe = graph.params[0].tensor()
-        if probe is None:
+        probe = next((t for slot in graph.params if (t := slot.tensor()) is not None and t.requires_grad), None)
+        if probe is None:  # every parameter of the graph is frozen (or gone)
             return
         self._writes.watch(probe)
         self._accumulating[probe] = self._writes.holds_last_backward(probe)

@@ -193,11 +193,11 @@ class CoverageCheck:
             names = ", ".join(layer.name for layer in frozen_targeted[:20])
             more = f" and {len(frozen_targeted) - 20} more" if len(frozen_targeted) > 20 else ""
             count = (
-                "1 layer the policy targets is"
+                "1 layer the policy targets is frozen (requires_grad=False) and gets"
                 if len(frozen_targeted) == 1
-                else f"{len(frozen_targeted)} layers the policy targets are"
+                else f"{len(frozen_targeted)} layers the policy targets are frozen (requires_grad=False) and get"
             )
-            self.warn(f"fxgrad: {count} frozen (requires_grad=False) and get no gradient: {names}{more}")
+            self.warn(f"fxgrad: {count} no gradient: {names}{more}")
 
     def ran_eagerly(self, model: nn.Module, first: bool, hint: str = "") -> None:
         """A forward of ``model`` ran no graph of this backend: the policy did nothing."""
