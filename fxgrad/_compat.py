@@ -40,6 +40,7 @@ __all__ = [
     "grad_scaler_scale",
     "grad_scaler_unscaled",
     "tensor_version",
+    "has_grad_hooks",
     "layout_check",
     "may_record_grad",
     "foreach_norm",
@@ -436,6 +437,12 @@ def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
 def tensor_version(tensor: torch.Tensor) -> int:
     """The in-place modification counter of ``tensor`` (bumped by ``add_``, ``copy_``, ...)."""
     return tensor._version
+
+
+def has_grad_hooks(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has hooks from ``Tensor.register_hook``: autograd runs them on a
+    leaf's gradient after the backward that produced it, before accumulating it into ``.grad``."""
+    return bool(tensor._backward_hooks)
 
 
 def layout_check(tensors: Sequence[torch.Tensor]) -> Callable[[Sequence[torch.Tensor]], bool]:

@@ -114,6 +114,25 @@ def test_unused_parameter_blocks_global_clip_until_frozen(compile_with):
         run(compile_with, model, fxgrad.clip_by_global_norm(1.0))
 
 
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_gradient_hook_on_a_parameter_is_reported_in_graph_scope_and_exact_in_step_scope(scope, compile_with):
+    """A pruning mask as a ``Tensor.register_hook``: autograd runs it after the backward graph,
+    so in graph scope the policy sees the gradient before the mask, unlike ``clip_grad_norm_``."""
+    model, args, _ = models.build("mlp")
+    expected = copy.deepcopy(model)
+    for m in (model, expected):
+        m.net[0].weight.register_hook(lambda grad: grad * 2.0)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope=scope)
+    checked = pytest.warns(fxgrad.CoverageWarning, match=r"parameters net\.0\.weight have gradient hooks")
+    with checked if scope == "graph" else coverage_silent():
+        models.loss_of(compile_with(backend, model)(*args)).backward()
+    if scope == "step":
+        backend.step()
+        eager_grads(expected, args, {})
+        ref.clip_global(expected, 1e-3)
+        assert_grads_close(model, expected)
+
+
 def test_lstm_without_allow_rnn_is_reported():
     _compat.dynamo_config().allow_rnn = False
     model, args, _ = models.build("lstm")

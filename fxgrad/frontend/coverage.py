@@ -152,6 +152,15 @@ FATAL_ADVICE = (
 )
 
 
+HOOKED = (
+    "fxgrad: the parameters {names} have gradient hooks (Tensor.register_hook). Autograd runs them on the "
+    "gradient the backward graph returns, so in graph scope the policy acts on the gradient "
+    "before the hook, not on what the hook returns (which clip_grad_norm_ after backward() "
+    "would see). Use fxgrad.backend(..., scope='step'), which applies the policy to .grad after "
+    "every hook has run."
+)
+
+
 COMPILED_AUTOGRAD = (
     "fxgrad: compiled autograd is on. It retraces AOTAutograd's original backward graphs, so "
     "fxgrad's rewrite of them would not run and the policy {transform!r} would do nothing. Use "
@@ -187,6 +196,7 @@ class CoverageCheck:
         for gap in gaps:
             if not gap.fatal:
                 self.warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
+        self._hooked(graph, plan)
         targeted = {name for route in self.transform.routes(frozen) for name in route.names}
         frozen_targeted = [layer for layer in frozen if layer.name in targeted]
         if frozen_targeted:
@@ -198,6 +208,17 @@ class CoverageCheck:
                 else f"{len(frozen_targeted)} layers the policy targets are frozen (requires_grad=False) and get"
             )
             self.warn(f"fxgrad: {count} no gradient: {names}{more}")
+
+    def _hooked(self, graph: CapturedGraph, plan: GraphPlan) -> None:
+        """Gradient hooks on parameters the policy acts on run after it in graph scope."""
+        acted_on = {layer.name for route in plan.routes for layer in route.layers}
+        hooked = [
+            slot.name
+            for slot in graph.params
+            if slot.layer in acted_on and (tensor := slot.tensor()) is not None and _compat.has_grad_hooks(tensor)
+        ]
+        if hooked:
+            self.warn(HOOKED.format(names=", ".join(hooked)))
 
     def ran_eagerly(self, model: nn.Module, first: bool, hint: str = "") -> None:
         """A forward of ``model`` ran no graph of this backend: the policy did nothing."""
