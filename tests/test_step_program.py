@@ -12,6 +12,7 @@ import torch.nn as nn
 from parity import no_host_sync
 
 import fxgrad
+from fxgrad import _compat
 from fxgrad.core.rule import ScaleLeaf
 from fxgrad.frontend.step_program import StepPrograms
 
@@ -104,6 +105,32 @@ def test_one_program_per_layout(builds):
         assert total == pytest.approx(1e-3, rel=1e-4)
         model.zero_grad(set_to_none=True)
     assert builds[0] == 2  # a's gradients, then b's: two layouts, each built once
+
+
+class Experts(nn.Module):
+    """One expert of three per step, as a mixture of experts routes a batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts, self.head = nn.ModuleList(nn.Linear(8, 8) for _ in range(3)), nn.Linear(8, 2)
+
+    def forward(self, x, expert):
+        return self.head(self.experts[expert](x))
+
+
+def test_layouts_past_the_recompile_limit_run_eagerly_after_one_warning(builds, monkeypatch):
+    monkeypatch.setattr(_compat.dynamo_config(), "recompile_limit", 2)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    model = Experts()
+    with pytest.warns(RuntimeWarning, match="2 gradient layouts have a program already") as caught:
+        for step in range(6):
+            models.loss_of(model(torch.randn(2, 8), expert=step % 3)).backward()
+            backend.step(model)
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            assert torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])) == pytest.approx(1e-3, rel=1e-4)
+            model.zero_grad(set_to_none=True)
+    assert builds[0] == 2
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
 
 
 @pytest.mark.inductor

@@ -6,7 +6,9 @@ its input (``aten.copy_``); Inductor compiles it. A program is built once per
 *layout* (the names of the parameters with a gradient, their gradients' shapes,
 strides, dtypes and devices, and the routes over their layers) and reused: state,
 thresholds and the loss scale are device tensors that custom ops read and
-write, so nothing recompiles when they change, and nothing syncs::
+write, so nothing recompiles when they change, and nothing syncs. Like Dynamo's
+frames, at most ``torch._dynamo.config.recompile_limit`` layouts (8 by default) get
+a program; a step with another layout runs the rules eagerly, after one warning::
 
     programs = StepPrograms("inductor")
     if not programs.run(routes, owners, store, scaler):
@@ -52,7 +54,7 @@ class StepPrograms:
         self.compiler = compiler
         self._programs: dict[tuple, Callable[..., Any]] = {}
         self._broken: str | None = None  # why building failed; then every step runs eagerly
-        self._told_eager = False  # whether the warning that some gradients run eagerly was given
+        self._told_eager: set[str] = set()  # the reasons some gradients run eagerly that were given
         # the parameters programs read weights of, by name (kept with the owners they came from)
         self._weights: tuple[Sequence[Owner] | None, dict[str, torch.Tensor]] = (None, {})
         self._last: tuple[Any, Callable[[Sequence[torch.Tensor]], bool], Any] = (None, lambda grads: False, None)
@@ -145,6 +147,15 @@ class StepPrograms:
         key = variant, _layout(grads)
         program = self._programs.get(key)
         if program is None:
+            limit = _compat.dynamo_config().recompile_limit
+            if len(self._programs) >= limit:
+                self._eager(
+                    f"{limit} gradient layouts have a program already (torch._dynamo.config.recompile_limit), and "
+                    "this step's is new: the set of parameters with a gradient changes from step to step "
+                    "(LayerDrop, a mixture of experts, branches). zero_grad(set_to_none=False) keeps every "
+                    "gradient from step to step, and so the layout; or raise the limit"
+                )
+                return None
             program = build()
             if program is None:
                 return None
@@ -153,9 +164,9 @@ class StepPrograms:
         return program
 
     def _eager(self, why: str) -> None:
-        """Say once that these gradients run the rules eagerly, one op at a time, and ``why``."""
-        if not self._told_eager:
-            self._told_eager = True
+        """Say once per reason that these gradients run the rules eagerly, one op at a time, and ``why``."""
+        if why not in self._told_eager:
+            self._told_eager.add(why)
             warnings.warn(
                 f"fxgrad: scope='step' runs the policy eagerly on these gradients, one op at a time: {why}.",
                 RuntimeWarning,
