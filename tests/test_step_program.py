@@ -118,11 +118,11 @@ class Experts(nn.Module):
         return self.head(self.experts[expert](x))
 
 
-def test_layouts_past_the_recompile_limit_run_eagerly_after_one_warning(builds, monkeypatch):
-    monkeypatch.setattr(_compat.dynamo_config(), "recompile_limit", 2)
+def test_layouts_past_the_recompile_limit_run_eagerly_after_one_warning(builds):
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
     model = Experts()
-    with pytest.warns(RuntimeWarning, match="2 gradient layouts have a program already") as caught:
+    limited = _compat.dynamo_config().patch(recompile_limit=2)
+    with limited, pytest.warns(RuntimeWarning, match="2 gradient layouts have a program already") as caught:
         for step in range(6):
             models.loss_of(model(torch.randn(2, 8), expert=step % 3)).backward()
             backend.step(model)

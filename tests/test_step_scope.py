@@ -6,7 +6,7 @@ import models
 import pytest
 import reference as ref
 import torch
-from parity import assert_grads_close
+from parity import assert_grads_close, coverage_silent
 from test_coverage import BrokenMLP
 
 import fxgrad
@@ -202,3 +202,35 @@ def test_accumulating_under_graph_scope_is_flagged():
     models.loss_of(compiled(torch.randn(4, 16))).backward()
     with pytest.warns(fxgrad.CoverageWarning, match="scope='step'"):
         models.loss_of(compiled(torch.randn(4, 16))).backward()
+
+
+def manual_sgd(model, compiled, steps, backend=None, skip=(), inputs=(4, 16)):
+    """Steps of a loop that updates the weights itself (no torch.optim optimizer); ``skip``:
+    steps whose gradients are zeroed unused, as a loop that drops a bad batch does."""
+    for step in range(steps):
+        model.zero_grad()
+        models.loss_of(compiled(torch.randn(*inputs))).backward()
+        if step in skip:
+            continue
+        if backend is not None:
+            backend.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+
+
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_a_loop_that_never_lets_the_policy_run_is_reported_once(graph_break, compile_with):
+    model = BrokenMLP() if graph_break else mlp_and_copy()[0]
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    compiled = compile_with(backend, model)
+    with pytest.warns(fxgrad.CoverageWarning, match="neither ran between backward passes") as caught:
+        manual_sgd(model, compiled, steps=4, inputs=(5, 8) if graph_break else (4, 16))
+    assert len([w for w in caught if issubclass(w.category, fxgrad.CoverageWarning)]) == 1
+
+
+def test_a_loop_that_calls_step_or_skips_one_batch_is_not_reported(compile_with):
+    model, _ = mlp_and_copy()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    with coverage_silent():
+        manual_sgd(model, compile_with(backend, model), steps=6, backend=backend, skip=(2,))

@@ -39,7 +39,7 @@ from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
 from fxgrad.frontend.step_check import StepCheck, hand_over
 from fxgrad.frontend.step_program import StepPrograms
-from fxgrad.frontend.step_scope import StepScope, apply_to_grads
+from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
 from fxgrad.frontend.warm_start import StandIn
 from fxgrad.frontend.watch import ACCUMULATING, ForwardWatch, GradWrites, track_wrapper
@@ -114,6 +114,7 @@ class Backend:
                 self._before_update,
             )
         self._step = None  # runs the policy on .grad in step scope
+        self._policy_runs = PolicyRuns()  # ... and tells when a loop never lets it run
         self._programs = StepPrograms(compiler)  # ... as compiled programs, by gradient layout
         # see fold(): the folded optimizers, each with the backward count at its last step
         self._folded: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
@@ -166,10 +167,11 @@ class Backend:
         unwatched = self._step_check is not None and self._step_check.unwatched(graph)
         # A folded graph leaves its factor to the optimizer: one backward per step may, no more (see fold()).
         folded = bool(self._folded) and self.current_scope() == "graph"
-        count_backwards = unwatched or (folded and bool(graph.params))
+        step_scope = self.current_scope() == "step"
+        # Step scope: backwards are counted to see gradients dropped before the policy ran on them.
+        count_backwards = unwatched or (bool(graph.params) and (folded or (step_scope and self._step is not None)))
         if self._step_check is not None:
             self._step_check.arm()
-        step_scope = self.current_scope() == "step"
         if step_scope and self._step is not None:
             self._step.arm()  # the policy runs on .grad at optimizer.step(); the backward is left alone
         # Left alone, the backward is a plain compile, which AOTAutograd's on-disk cache may serve. A
@@ -229,22 +231,29 @@ class Backend:
         """A backward reached the outputs of one call of ``graph`` (``reached``: whether one of
         that call's outputs was reached before; a view of an output has a node of its own).
 
-        On the plain ``torch.compile`` path (``unwatched``: no per-forward watch does it), note
-        whether it starts while ``.grad`` still holds the previous backward's gradient; the
-        step of an optimizer that steps such gradients says so (:meth:`_before_update`). A
-        GAN's generator step runs backward through the discriminator onto its unzeroed
-        gradients, which no optimizer steps before they are zeroed."""
+        Note whether it starts while ``.grad`` still holds the previous backward's gradient. In
+        step scope, that tells gradients dropped before the policy ran apart from accumulation
+        (:class:`~fxgrad.frontend.step_scope.PolicyRuns`). On the plain ``torch.compile`` path in graph scope
+        (``unwatched``: no per-forward watch does it), the step of an optimizer that steps such
+        gradients says so (:meth:`_before_update`). A GAN's generator step runs backward through
+        the discriminator onto its unzeroed gradients, which no optimizer steps before they are
+        zeroed."""
         if reached[0]:
             return
         reached[0] = True
         self._backwards += 1
-        if not (unwatched and graph.params and self.current_scope() == "graph"):
+        step_scope = self.current_scope() == "step"
+        if not (graph.params and (step_scope or unwatched)):
             return
         probe = next((t for slot in graph.params if (t := slot.tensor()) is not None and t.requires_grad), None)
         if probe is None:  # every parameter of the graph is frozen (or gone)
             return
         self._writes.watch(probe)
-        self._accumulating[probe] = self._writes.holds_last_backward(probe)
+        accumulating = self._writes.holds_last_backward(probe)
+        if step_scope:
+            self._policy_runs.backward_started(probe, accumulating)
+        else:
+            self._accumulating[probe] = accumulating
 
     def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         """``torch.compile(model, backend=self, **compile_kwargs)``, checked at each forward.
@@ -537,6 +546,7 @@ class Backend:
         ]
 
     def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list | None = None) -> None:
+        self._policy_runs.ran()
         apply_to_grads(
             self.transform,
             models,

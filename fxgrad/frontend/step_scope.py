@@ -28,11 +28,14 @@ transformed gradients before the optimizer does.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch.distributed
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat
 from fxgrad.core.layers import (
@@ -44,6 +47,7 @@ from fxgrad.core.layers import (
     parameter_owners,
 )
 from fxgrad.core.rule import Route, Transform
+from fxgrad.frontend.coverage import CoverageWarning
 from fxgrad.frontend.step_check import optimizer_pre_hook
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.runtime.executor import run_policy
@@ -107,6 +111,52 @@ def apply_to_grads(
 
 
 Models = Callable[[], list[tuple[nn.Module, str]]]
+
+
+class PolicyRuns:
+    """Counts the runs of step scope's policy, and warns when gradients are dropped before one.
+
+    Step scope runs at ``optimizer.step()`` of a ``torch.optim`` optimizer, or at
+    ``backend.step()``. A loop that updates the weights itself calls neither, and the
+    policy silently does nothing. A backward through a compiled graph that starts on
+    zeroed gradients (not accumulating) with no run since the previous backward shows
+    it; two in a row warn (one could be a step skipped on purpose)::
+
+        runs = PolicyRuns()
+        runs.backward_started(probe, accumulating=False)  # per compiled graph, per backward
+        runs.ran()  # per run of the policy
+
+    Left out while a process group is initialized: DDP and FSDP2 replace or free the
+    ``.grad`` a probe reads, which would look like zeroing.
+    """
+
+    def __init__(self) -> None:
+        self._runs = 0
+        # per probe (one parameter per compiled graph): the runs at its last backward, and how
+        # many backwards in a row found its gradient dropped with no run since
+        self._backwards: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._told = False
+
+    def ran(self) -> None:
+        self._runs += 1
+
+    def backward_started(self, probe: nn.Parameter, accumulating: bool) -> None:
+        """A backward reaches a compiled graph of which ``probe`` is a parameter; ``accumulating``:
+        whether ``probe.grad`` still holds the previous backward's gradient."""
+        runs, dropped = self._backwards.get(probe, (None, 0))
+        dropped = dropped + 1 if runs == self._runs and not accumulating else 0
+        self._backwards[probe] = self._runs, dropped
+        if dropped >= 2 and not self._told and not torch.distributed.is_initialized():
+            self._told = True
+            warnings.warn(DROPPED, CoverageWarning, stacklevel=6)  # at loss.backward()
+
+
+DROPPED = (
+    "fxgrad: scope='step' applies the policy at optimizer.step() of a torch.optim optimizer, or at "
+    "backend.step(), and neither ran between backward passes whose gradients were then zeroed: the policy "
+    "did nothing to them. Call backend.step() after the last backward() of each step, before updating "
+    "the weights."
+)
 
 
 class StepScope:
