@@ -41,6 +41,7 @@ __all__ = [
     "grad_scaler_unscaled",
     "tensor_version",
     "has_grad_hooks",
+    "backward_pass_id",
     "layout_check",
     "may_record_grad",
     "foreach_norm",
@@ -437,6 +438,12 @@ def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
 def tensor_version(tensor: torch.Tensor) -> int:
     """The in-place modification counter of ``tensor`` (bumped by ``add_``, ``copy_``, ...)."""
     return tensor._version
+
+
+def backward_pass_id() -> int:
+    """The id of the backward pass running now (autograd's graph task), -1 outside one: hooks
+    that fire in one ``backward()`` see the same id, and each pass a new one."""
+    return torch._C._current_graph_task_id()
 
 
 def has_grad_hooks(tensor: torch.Tensor) -> bool:

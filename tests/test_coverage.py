@@ -254,15 +254,17 @@ def test_a_graph_reused_for_another_instance_is_reported(compile_with):
     assert_grads_close(second, expected)
 
 
-def test_two_forwards_before_one_backward_are_reported():
+def test_two_forwards_in_one_backward_are_reported_at_the_optimizer_step(compile_with):
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
-    compiled = backend.compile(model)
+    compiled = compile_with(backend, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     with coverage_silent():
         for _ in range(2):  # common loops: silent
             loss = models.loss_of(compiled(torch.randn(4, 16)))
-            model.zero_grad()  # between forward and backward
+            optimizer.zero_grad()  # between forward and backward
             loss.backward()
+            optimizer.step()
             with torch.no_grad():
                 compiled(torch.randn(4, 16))
             model.eval()
@@ -270,11 +272,17 @@ def test_two_forwards_before_one_backward_are_reported():
             model.train()
             skipped = models.loss_of(compiled(torch.randn(4, 16)))  # a batch whose backward is skipped
             del skipped
-    model.zero_grad()
-    first = models.loss_of(compiled(torch.randn(4, 16)))
-    second = models.loss_of(compiled(torch.randn(4, 16)))
-    with pytest.warns(fxgrad.CoverageWarning, match="took the outputs of two forwards"):
-        (first + second).backward()
+            # adversarial training: the gradient of an input (no .grad written), then the loss
+            x = torch.randn(4, 16, requires_grad=True)
+            (input_grad,) = torch.autograd.grad(models.loss_of(compiled(x)), x)
+            optimizer.zero_grad()
+            models.loss_of(compiled(x.detach() + 0.01 * input_grad.sign())).backward()
+            optimizer.step()
+    optimizer.zero_grad()
+    first, second = compiled(torch.randn(4, 16)).sum(), compiled(torch.randn(4, 16)).sum()
+    (first - second).backward()  # the forwards' outputs are gone: autograd holds only the sums
+    with pytest.warns(fxgrad.CoverageWarning, match="took the outputs of two forwards of MLP"):
+        optimizer.step()
 
 
 def test_hugging_face_training_steps_raise_no_coverage_warning(compile_with):
@@ -289,16 +297,19 @@ def test_hugging_face_training_steps_raise_no_coverage_warning(compile_with):
             optimizer.step()
 
 
-def test_accumulation_is_reported_and_zeroed_gradients_are_not():
+def test_accumulation_is_reported_and_zeroed_gradients_are_not(compile_with):
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
-    compiled = backend.compile(model)
+    compiled = compile_with(backend, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     with coverage_silent():
         for _ in range(3):  # zero_grad(set_to_none=False) keeps zero tensors in .grad
-            model.zero_grad(set_to_none=False)
+            optimizer.zero_grad(set_to_none=False)
             models.loss_of(compiled(torch.randn(4, 16))).backward()
+            optimizer.step()
+    models.loss_of(compiled(torch.randn(4, 16))).backward()
     with pytest.warns(fxgrad.CoverageWarning, match="still held the previous backward's gradient"):
-        models.loss_of(compiled(torch.randn(4, 16))).backward()
+        optimizer.step()
 
 
 def test_recompiling_after_a_dynamo_reset_forgets_the_old_graphs(compile_with):

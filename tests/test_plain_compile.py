@@ -382,13 +382,13 @@ def test_one_backward_through_several_outputs_of_a_call_counts_once():
             optimizer.zero_grad()
 
 
-def test_a_gan_generator_step_onto_the_discriminators_unzeroed_gradients_is_no_accumulation():
+def test_a_gan_generator_step_onto_the_discriminators_unzeroed_gradients_is_no_accumulation(compile_with):
     """The generator's backward runs through the discriminator and adds to its gradients, which
     the discriminator's next ``zero_grad()`` drops before its optimizer steps them."""
     generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
     discriminator = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     backend = fxgrad.backend(fxgrad.clip_by_norm(0.1), compiler="aot_eager")
-    g, d = torch.compile(generator, backend=backend), torch.compile(discriminator, backend=backend)
+    g, d = compile_with(backend, generator), compile_with(backend, discriminator)
     g_optimizer, d_optimizer = torch.optim.Adam(generator.parameters()), torch.optim.Adam(discriminator.parameters())
     with coverage_silent():
         for _ in range(3):

@@ -199,9 +199,11 @@ def test_step_needs_step_scope():
 def test_accumulating_under_graph_scope_is_flagged():
     model = models.MLP()
     compiled = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager").compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    models.loss_of(compiled(torch.randn(4, 16))).backward()
     models.loss_of(compiled(torch.randn(4, 16))).backward()
     with pytest.warns(fxgrad.CoverageWarning, match="scope='step'"):
-        models.loss_of(compiled(torch.randn(4, 16))).backward()
+        optimizer.step()
 
 
 def manual_sgd(model, compiled, steps, backend=None, skip=(), inputs=(4, 16)):

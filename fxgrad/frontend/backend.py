@@ -42,7 +42,7 @@ from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
 from fxgrad.frontend.warm_start import StandIn
-from fxgrad.frontend.watch import ACCUMULATING, ForwardWatch, GradWrites, track_wrapper
+from fxgrad.frontend.watch import ForwardWatch, GradWrites, track_wrapper
 from fxgrad.passes.capture import CapturedGraph, Root, capture
 from fxgrad.passes.graphtext import normalize_code, render_inserted
 from fxgrad.runtime.state import StateStore, group_label
@@ -96,9 +96,11 @@ class Backend:
         self._graph_runs = 0  # calls of compiled forwards
         self._backwards = 0  # backward passes through its graphs
         self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models compile() watches per forward
-        # For the plain path's accumulation check: a parameter per graph.
-        self._writes = GradWrites()
-        self._accumulating: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> bool
+        # Gradients summed over backward passes or forwards in graph scope (a parameter per graph
+        # call, or per model that compile() watches), each with the warning the next step of an
+        # optimizer that steps it gives; and the probes' writes, on the plain path.
+        self._summed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._writes = GradWrites(self._note_summed)
         in_graph = transform is not None and scope != "step"
         self._coverage = CoverageCheck(transform, self.skip, strict) if in_graph else None
         self._step_check = None  # the optimizer.step() check of the plain torch.compile path
@@ -200,7 +202,9 @@ class Backend:
                 self._rebind(graph, args)
             outputs = compiled(*args)
             if count_backwards and torch.is_grad_enabled():
-                reached = functools.partial(self._backward_ran, graph, unwatched, [False])  # once per call
+                # This call's parameters: a graph reused for another module is rebound on each call.
+                probe = next((t for p in graph.params if (t := args[p.index]).requires_grad), None)
+                reached = functools.partial(self._backward_ran, graph, probe, unwatched, [False])  # once per call
                 for node in {t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
                     node.register_prehook(reached)
             return outputs
@@ -227,33 +231,28 @@ class Backend:
             "fxgrad.backend(...), or use scope='step'."
         )
 
-    def _backward_ran(self, graph: CapturedGraph, unwatched: bool, reached: list[bool], grad_outputs: Any) -> None:
-        """A backward reached the outputs of one call of ``graph`` (``reached``: whether one of
-        that call's outputs was reached before; a view of an output has a node of its own).
+    def _backward_ran(
+        self, graph: CapturedGraph, probe: nn.Parameter | None, unwatched: bool, reached: list[bool], grad_outputs: Any
+    ) -> None:
+        """A backward reached the outputs of one call of ``graph`` (``probe``: the call's first
+        trainable parameter, if any; ``reached``: whether one of that call's outputs was reached
+        before, as a view of an output has a node of its own).
 
-        Note whether it starts while ``.grad`` still holds the previous backward's gradient. In
-        step scope, that tells gradients dropped before the policy ran apart from accumulation
-        (:class:`~fxgrad.frontend.step_scope.PolicyRuns`). On the plain ``torch.compile`` path in graph scope
-        (``unwatched``: no per-forward watch does it), the step of an optimizer that steps such
-        gradients says so (:meth:`_before_update`). A GAN's generator step runs backward through
-        the discriminator onto its unzeroed gradients, which no optimizer steps before they are
-        zeroed."""
+        In step scope, whether it starts on the previous backward's gradient tells gradients
+        dropped before the policy ran apart from accumulation (:class:`PolicyRuns`). On the
+        plain ``torch.compile`` path in graph scope (``unwatched``: no per-forward watch does
+        it), :class:`GradWrites` notes what the backward sums into ``.grad``."""
         if reached[0]:
             return
         reached[0] = True
         self._backwards += 1
-        step_scope = self.current_scope() == "step"
-        if not (graph.params and (step_scope or unwatched)):
+        if probe is None:
             return
-        probe = next((t for slot in graph.params if (t := slot.tensor()) is not None and t.requires_grad), None)
-        if probe is None:  # every parameter of the graph is frozen (or gone)
-            return
-        self._writes.watch(probe)
-        accumulating = self._writes.holds_last_backward(probe)
-        if step_scope:
-            self._policy_runs.backward_started(probe, accumulating)
-        else:
-            self._accumulating[probe] = accumulating
+        if self.current_scope() == "step":
+            self._writes.watch(probe)
+            self._policy_runs.backward_started(probe, self._writes.holds_last_backward(probe))
+        elif unwatched:
+            self._writes.reaches(probe, self.registry.model_name(graph))
 
     def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         """``torch.compile(model, backend=self, **compile_kwargs)``, checked at each forward.
@@ -269,10 +268,8 @@ class Backend:
         policy reduces across layers. It also warns when a backward writes the
         gradient of ``model``'s first trainable parameter without passing
         through the compiled module (``model(x)`` called instead of the
-        compiled module, or an eager method such as ``get_text_features``),
-        when a backward accumulates into ``.grad`` in graph scope, and when one
-        backward takes the outputs of two forwards. Layer names are relative to
-        ``model``.
+        compiled module, or an eager method such as ``get_text_features``).
+        Layer names are relative to ``model``.
         """
         patches = _compat.inductor_config_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
         if patches and self.compiler != "inductor":
@@ -283,7 +280,8 @@ class Backend:
         if self._coverage is not None:
             self._watched.add(model)
             in_graph = lambda: self.current_scope() == "graph"  # noqa: E731
-            ForwardWatch(model, self._coverage, lambda: self._graph_runs, in_graph).install(compiled)
+            watch = ForwardWatch(model, self._coverage, lambda: self._graph_runs, in_graph, self._note_summed)
+            watch.install(compiled)
         return compiled
 
     @property
@@ -461,6 +459,13 @@ class Backend:
         factor = self.store.stat("folded_factor")
         return {name: (g * factor).to(g.dtype) for name, g in grads.items()}
 
+    def _note_summed(self, param: nn.Parameter, message: str | None) -> None:
+        """A backward wrote ``param.grad``, summing parts (``message`` says how) or not (``None``)."""
+        if message is None:
+            self._summed.pop(param, None)
+        else:
+            self._summed[param] = message
+
     def _before_update(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Before the step of an optimizer of this backend's models, once the policy ran: warn if
         the update cancels the policy or steps gradients accumulated over backward passes in graph
@@ -471,12 +476,12 @@ class Backend:
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
                 warnings.warn(why, CoverageWarning, stacklevel=4)
-        if any(self._accumulating.values()):
+        if self._summed:
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            for probe, accumulating in list(self._accumulating.items()):
-                if accumulating and id(probe) in stepped:
-                    self._accumulating[probe] = False
-                    self._coverage.warn(ACCUMULATING)
+            for probe, message in list(self._summed.items()):
+                if id(probe) in stepped:
+                    del self._summed[probe]
+                    self._coverage.warn(message)
         folded = optimizer in self._folded
         if folded:
             self._check_folded_step(optimizer, args, kwargs)  # first: a refused step keeps no weight copy

@@ -89,6 +89,14 @@ class GraphRegistry:
         root = self.roots.get(id(model))
         return root.prefix if root is not None else ""
 
+    def model_name(self, graph: CapturedGraph) -> str:
+        """The class name of the model ``graph``'s parameters belong to, for messages."""
+        for p in graph.params:
+            root = self.roots.get(p.root) if p.root is not None else None
+            if root is not None and root.module() is not None:
+                return type(root.module()).__name__
+        return "the model"
+
     def forward_order(self) -> list[str]:
         """Layer names in the order the compiled forward first used them."""
         return list(self._forward_order)

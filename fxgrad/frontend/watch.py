@@ -7,10 +7,10 @@ rewrite cannot see from inside the graph:
 * a backward that writes the model's gradients without starting from a
   forward of the compiled model (the original model called instead, or a
   method other than ``forward``: both run eagerly);
-* a backward that starts while ``.grad`` still holds the previous backward's
-  gradient (accumulation: not zeroed since), or while the outputs of another
-  forward still wait for their backward (two forwards, one loss):
-  ``scope="graph"`` then transforms each part, not their sum.
+* a backward that sums gradients into ``.grad`` (:class:`GradWrites`): onto the
+  previous backward's (accumulation: not zeroed since), or of two forwards in one
+  loss. ``scope="graph"`` then transforms each part, not their sum; the step of an
+  optimizer that steps such gradients says so (``summed``).
 
 The gradient checks run when backward reaches the forward's outputs, so
 ``zero_grad()`` between forward and backward, validation forwards and
@@ -18,7 +18,8 @@ forwards whose outputs are dropped raise nothing.
 
     runs = lambda: backend._graph_runs                  # calls of the backend's compiled forwards
     in_graph = lambda: backend.current_scope() == "graph"
-    ForwardWatch(model, coverage, runs, in_graph).install(torch.compile(model, backend=backend))
+    summed = lambda param, message: ...                # reported at the optimizer's step
+    ForwardWatch(model, coverage, runs, in_graph, summed).install(torch.compile(model, backend=backend))
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ ACCUMULATING = (
 TWO_FORWARDS = (
     "fxgrad: one backward() took the outputs of two forwards of {model}. scope='graph' "
     "transforms each forward's gradient on its own, not their sum (two views, a contrastive or a "
-    "GAN loss): use fxgrad.backend(..., scope='step'), which applies the policy once, at "
-    "optimizer.step()."
+    "GAN discriminator's loss): use fxgrad.backend(..., scope='step'), which applies the policy "
+    "once, at optimizer.step()."
 )
 
 BYPASSED = (
@@ -78,20 +79,28 @@ def track_wrapper(model: nn.Module, compiled: nn.Module) -> None:
 
 
 class GradWrites:
-    """Whether a parameter's ``.grad`` still holds what the last backward wrote.
+    """What the backward passes that write a parameter's ``.grad`` sum into it.
 
-    The version its gradient had at that write is still current unless someone zeroed it
-    (``zero_grad(set_to_none=False)`` bumps the version; ``set_to_none`` drops the
-    gradient). So a backward that starts while this holds accumulates onto the last one::
+    A backward pass that reaches a compiled call holding the parameter is noted, with
+    autograd's id for the pass. When that pass writes ``.grad``, it summed more than one
+    part if ``.grad`` still held what the previous pass wrote (accumulation: not zeroed
+    since; ``zero_grad(set_to_none=False)`` bumps the gradient's version, ``set_to_none``
+    drops it) or if it reached two calls holding the parameter (two forwards in one loss:
+    autograd adds their gradients before it writes once). Each write calls
+    ``summed(param, message)`` with the warning that says which, or ``None`` for a gradient
+    of one part. A pass that writes no ``.grad`` (``torch.autograd.grad`` of an input, as
+    adversarial training takes) calls nothing::
 
-        writes = GradWrites()
-        writes.watch(param)
+        writes = GradWrites(summed=lambda param, message: ...)
+        writes.reaches(param, model_name)  # from a backward pre-hook of a compiled call's outputs
         loss.backward()
         writes.holds_last_backward(param)  # True until zero_grad()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, summed: Callable[[nn.Parameter, str | None], None] = lambda param, message: None) -> None:
+        self.summed = summed
         self._versions: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> int | None
+        self._reached: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> (pass id, message)
 
     def watch(self, param: nn.Parameter) -> None:
         """Follow the backward writes of ``param.grad`` from now on (again: a no-op)."""
@@ -99,23 +108,25 @@ class GradWrites:
             self._versions[param] = None
             param.register_post_accumulate_grad_hook(self._written)
 
+    def reaches(self, param: nn.Parameter, model: str) -> None:
+        """The running backward pass reached a call of ``model``'s compiled forward holding ``param``."""
+        self.watch(param)
+        current = _compat.backward_pass_id()
+        last, _ = self._reached.get(param, (None, None))
+        if last == current:
+            message = TWO_FORWARDS.format(model=model)
+        else:
+            message = ACCUMULATING if self.holds_last_backward(param) else None
+        self._reached[param] = current, message
+
     def _written(self, param: nn.Parameter) -> None:
         self._versions[param] = _compat.tensor_version(param.grad)
+        current, message = self._reached.pop(param, (None, None))
+        self.summed(param, message if current == _compat.backward_pass_id() else None)
 
     def holds_last_backward(self, param: nn.Parameter) -> bool:
         grad = param.grad
         return grad is not None and _compat.tensor_version(grad) == self._versions.get(param)
-
-
-class _Forward:
-    """One training forward: its outputs (weakly) and whether backward reached them."""
-
-    def __init__(self, outputs: list[torch.Tensor]) -> None:
-        self.outputs = [weakref.ref(t) for t in outputs]
-        self.reached = False
-
-    def waiting(self) -> bool:
-        return not self.reached and any(ref() is not None for ref in self.outputs)
 
 
 class ForwardWatch:
@@ -126,20 +137,24 @@ class ForwardWatch:
     """
 
     def __init__(
-        self, model: nn.Module, coverage: CoverageCheck, graph_runs: Callable[[], int], in_graph: Callable[[], bool]
+        self,
+        model: nn.Module,
+        coverage: CoverageCheck,
+        graph_runs: Callable[[], int],
+        in_graph: Callable[[], bool],
+        summed: Callable[[nn.Parameter, str | None], None],
     ) -> None:
         self.model, self.coverage = model, coverage
         self.graph_runs, self.in_graph = graph_runs, in_graph
         self._runs_before = 0
         self._first = True
-        self._forwards: list[_Forward] = []
         # One parameter's .grad tells accumulation apart from a fresh step.
         self._probe_name, self._probe = next(
             ((n, p) for n, p in model.named_parameters() if p.requires_grad), (None, None)
         )
         owner, _, self._probe_attr = (self._probe_name or "").rpartition(".")
         self._probe_owner = model.get_submodule(owner) if self._probe is not None else None
-        self._writes = GradWrites()
+        self._writes = GradWrites(summed)
         # Backwards that reached a compiled forward's outputs (of any backend: explain()
         # compiles the model with its own), then as of the probe's last gradient write.
         # No new pass in between: that gradient bypassed the policy.
@@ -192,17 +207,14 @@ class ForwardWatch:
         outputs = [t for t in _compat.tensors_in(output) if t.grad_fn is not None]
         if not outputs:
             return
-        forward = _Forward(outputs)
-        self._forwards = [f for f in self._forwards if f.waiting()] + [forward]
+        reached = [False]  # one forward's outputs: a view of an output has a node of its own
         for node in {t.grad_fn for t in outputs}:
-            node.register_prehook(lambda grad_outputs, forward=forward: self._backward_reached(forward))
+            node.register_prehook(lambda grad_outputs: self._backward_reached(reached))
 
-    def _backward_reached(self, forward: _Forward) -> None:
+    def _backward_reached(self, reached: list[bool]) -> None:
         self._shared.passes += 1
-        if forward.reached:
+        if reached[0]:
             return
-        forward.reached = True
-        if self._probe is not None and self._writes.holds_last_backward(self._probe):
-            self.coverage.warn(ACCUMULATING)
-        if any(other.waiting() for other in self._forwards if other is not forward):
-            self.coverage.warn(TWO_FORWARDS.format(model=type(self.model).__name__))
+        reached[0] = True
+        if self._probe is not None:
+            self._writes.reaches(self._probe, type(self.model).__name__)
