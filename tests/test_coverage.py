@@ -1,6 +1,7 @@
 """No silent no-ops: graph breaks, uncaptured modules, frozen layers."""
 
 import copy
+import warnings
 
 import models
 import pytest
@@ -252,6 +253,42 @@ def test_a_graph_reused_for_another_instance_is_reported(compile_with):
     models.loss_of(expected(x)).backward()
     ref.clip_global(expected, 1e-3)
     assert_grads_close(second, expected)
+
+
+class BrokenBlock(nn.Module):
+    """A graph break inside the block's forward: Dynamo compiles the block's code once and runs
+    that graph for every block, with each block's parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc2(eager_only(torch.tanh(self.fc1(x))))
+
+
+def test_a_graph_reused_by_repeated_blocks_transforms_them_all_and_says_only_that(compile_with):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(BrokenBlock() for _ in range(3)))
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1e-2), compiler="aot_eager")
+    compiled = compile_with(backend, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # no "not applied", "no graph" or accumulation alarm
+            optimizer.zero_grad()
+            compiled(x).sum().backward()
+            optimizer.step()
+    said = {str(w.message).split(" with the parameters")[0] for w in caught if w.category is fxgrad.CoverageWarning}
+    assert said and all("reuses the graph compiled for layer" in message for message in said), said
+    optimizer.zero_grad()
+    compiled(x).sum().backward()
+    expected.load_state_dict(model.state_dict())
+    expected(x).sum().backward()
+    ref.clip_per_layer(expected, 1e-2)
+    assert_grads_close(model, expected)
 
 
 def test_two_forwards_in_one_backward_are_reported_at_the_optimizer_step(compile_with):

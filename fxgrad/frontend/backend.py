@@ -220,8 +220,11 @@ class Backend:
         running the graph shares the first one's per-layer state.
         """
         self.registry.rebound()
+        before = [p.tensor() for p in graph.params]
         if graph.rebind(args) or self._coverage is None:
             return
+        if id(args[graph.params[0].index]) not in graph.reused:
+            self.registry.note_reuse(graph, before + [args[p.index] for p in graph.params])
         self._coverage.warn(
             f"fxgrad: Dynamo reuses the graph compiled for layer {graph.params[0].layer!r} with the parameters "
             "of another module (a graph break inside a repeated block's forward, or a second model of the "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Iterable, Sequence
 
-from fxgrad.core.layers import Layer, ParamRow, SkipEntry, build_layers, model_rows
+from fxgrad.core.layers import Layer, ParamRow, SkipEntry, build_layers, model_rows, parameter_owners
 from fxgrad.passes.capture import CapturedGraph, Root
 
 
@@ -77,11 +77,26 @@ class GraphRegistry:
         another model's parameter, and Dynamo keeps old graphs alive."""
         if self._held is None:
             self._held = {id(p.tensor()): p.tensor for graph in self.graphs for p in graph.params}
+            self._held.update((key, ref) for graph in self.graphs for key, (ref, _) in graph.reused.items())
         ref = self._held.get(id(tensor))
         return ref is not None and ref() is tensor
 
     def rebound(self) -> None:
         """A graph now runs with other parameters (:meth:`CapturedGraph.rebind`)."""
+        self._held = None
+
+    def note_reuse(self, graph: CapturedGraph, params: Sequence) -> None:
+        """Calls ran ``graph`` with the ``params`` of several modules: remember them and their
+        layers, which the graph's rewrite transforms."""
+        owners: dict = {}
+        for root in self.roots.values():
+            model = root.module()
+            if model is not None:
+                owners.update(parameter_owners(model, root.prefix))
+        for param in params:
+            owner = owners.get(id(param))
+            if owner is not None:
+                graph.reused[id(param)] = weakref.ref(param), owner.layer
         self._held = None
 
     def prefix(self, model: object) -> str:
@@ -127,8 +142,10 @@ class GraphRegistry:
     def layers_elsewhere(self, graph: CapturedGraph) -> set[str]:
         """Layers that other compiled graphs hold: the other parts of a forward split by a
         graph break, and recompiles (of a branch, or of a submodule's frame for another
-        instance). A per-layer transform reaches them in the graph that holds them."""
-        return {p.layer for other in self.graphs if other is not graph for p in other.params}
+        instance); and layers of other modules that any graph ran for (:meth:`note_reuse`).
+        A per-layer transform reaches them in the graph that holds them."""
+        held = {p.layer for other in self.graphs if other is not graph for p in other.params}
+        return held | {layer for other in self.graphs for _, layer in other.reused.values()}
 
     def shared_layers(self, graph: CapturedGraph, has_grad: set[int]) -> set[str]:
         """Layers with a parameter that another graph of the same forward also uses."""

@@ -83,6 +83,9 @@ class CapturedGraph:
     gaps: list = dataclasses.field(default_factory=list)
     # Prefixes given to modules whose layer names other modules already had:
     renamed_roots: list = dataclasses.field(default_factory=list)
+    # Parameters of other modules Dynamo ran this graph with (a graph break inside a repeated
+    # block's forward): id -> (the parameter, weakly; its layer). Their gradients are transformed.
+    reused: dict = dataclasses.field(default_factory=dict)
     # The compiled callable Dynamo holds; dead after torch._dynamo.reset():
     compiled: weakref.ref | None = None
     _by_name: dict | None = dataclasses.field(default=None, repr=False)
