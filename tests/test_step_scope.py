@@ -6,6 +6,7 @@ import models
 import pytest
 import reference as ref
 import torch
+import torch.nn as nn
 from parity import assert_grads_close, coverage_silent
 from test_coverage import BrokenMLP
 
@@ -236,3 +237,37 @@ def test_a_loop_that_calls_step_or_skips_one_batch_is_not_reported(compile_with)
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
     with coverage_silent():
         manual_sgd(model, compile_with(backend, model), steps=6, backend=backend, skip=(2,))
+
+
+def test_each_optimizer_step_applies_the_policy_to_the_models_it_steps(compile_with):
+    """A GAN with one backend: the discriminator's step clips the discriminator's gradients, the
+    generator's the generator's (not the discriminator's, which the generator's backward also
+    wrote), as ``clip_grad_norm_`` over each optimizer's parameters does."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+    discriminator = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    eager_g, eager_d = copy.deepcopy(generator), copy.deepcopy(discriminator)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager", scope="step")
+    g, d = compile_with(backend, generator), compile_with(backend, discriminator)
+
+    def train(g, d, generator, discriminator, clip):
+        g_optimizer = torch.optim.SGD(generator.parameters(), lr=0.1)
+        d_optimizer = torch.optim.SGD(discriminator.parameters(), lr=0.1)
+        for step in range(3):
+            torch.manual_seed(step)
+            real, noise = torch.randn(4, 8), torch.randn(4, 4)
+            d_optimizer.zero_grad()
+            (d(g(noise).detach()).mean() - d(real).mean()).backward()
+            clip(discriminator)
+            d_optimizer.step()
+            g_optimizer.zero_grad()
+            (-d(g(noise)).mean()).backward()
+            clip(generator)
+            g_optimizer.step()
+
+    with coverage_silent():
+        train(g, d, generator, discriminator, clip=lambda model: None)
+    train(eager_g, eager_d, eager_g, eager_d, clip=lambda model: ref.clip_global(model, 1e-2))
+    for actual, expected in ((generator, eager_g), (discriminator, eager_d)):
+        for a, b in zip(actual.parameters(), expected.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

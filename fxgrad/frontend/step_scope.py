@@ -21,8 +21,8 @@ run the rules eagerly, where DTensor all-reduces the partial sums.
 
 ``backend.step()`` is optional when a ``torch.optim`` optimizer steps the
 model: :class:`StepScope` hooks ``optimizer.step()`` and runs the policy there
-if the gradients changed since the last ``backend.step()`` (it never runs
-twice on the same gradients). Call it yourself when something must see the
+on the models that optimizer steps, if their gradients changed since the last
+``backend.step()`` (it never runs twice on the same gradients). Call it yourself when something must see the
 transformed gradients before the optimizer does.
 """
 
@@ -180,7 +180,7 @@ class StepScope:
         self.models, self.run, self.scaler, self.after = models, run, scaler, after
         self._seen: dict[int, tuple[weakref.ref, int]] = {}
         self._armed = False
-        self._walk = ModelParameters()
+        self._walks: dict[tuple[int, ...], ModelParameters] = {}  # by the ids of the models walked
         self._ids: tuple[tuple, frozenset] = ((), frozenset())  # the last walk, and its parameters' ids
 
     def arm(self) -> None:
@@ -202,6 +202,9 @@ class StepScope:
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         models = self.models()
+        if len(models) > 1:  # the models this optimizer steps: a GAN's generator, or its discriminator
+            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            models = [pair for pair in models if any(id(p) in stepped for p in self.parameters([pair]))]
         params = self.parameters(models)
         if self._ids[0] is not params:
             self._ids = params, frozenset(map(id, params))
@@ -215,7 +218,12 @@ class StepScope:
 
     def parameters(self, models: list[tuple[nn.Module, str]]) -> tuple[nn.Parameter, ...]:
         """``models``' parameters, each once (walked again only when a model changed)."""
-        return self._walk([model for model, _ in models])
+        key = tuple(id(model) for model, _ in models)
+        if key not in self._walks:
+            if len(self._walks) >= 8:  # the walks hold their models: forget those of models gone
+                self._walks.clear()
+            self._walks[key] = ModelParameters()
+        return self._walks[key]([model for model, _ in models])
 
     def _changed(self, params: Iterable[nn.Parameter]) -> bool:
         for p in params:
