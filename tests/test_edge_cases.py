@@ -189,6 +189,48 @@ def test_activation_checkpointing_keeps_the_policy(where):
     assert_grads_close(model, expected, untouched=untouched)
 
 
+FULL = (
+    fxgrad.chain(fxgrad.rescale(alpha=0.5), fxgrad.clip_by_norm(0.05), fxgrad.clip_by_global_norm(0.1)),
+    lambda model: (ref.rescale(model, 0.5), ref.clip_per_layer(model, 0.05), ref.clip_global(model, 0.1)),
+)
+
+
+def test_hugging_face_gradient_checkpointing_is_refused_in_graph_scope_and_exact_in_step_scope():
+    """transformers' checkpointing breaks the graph at each decoder layer: a global clip in
+    graph scope would see one layer at a time."""
+    model, args, kwargs = models.build("llama")
+    model.gradient_checkpointing_enable()
+    expected = copy.deepcopy(model)
+    refused = fxgrad.backend(FULL[0], compiler="aot_eager").compile(copy.deepcopy(model))
+    with pytest.raises(fxgrad.CoverageError, match="(?s)would see only part.*model.layers.0.self_attn.q_proj"):
+        models.loss_of(refused(*args, **kwargs)).backward()
+    backend = fxgrad.backend(FULL[0], compiler="aot_eager", scope="step")
+    models.loss_of(backend.compile(model)(*args, **kwargs)).backward()
+    backend.step()
+    models.loss_of(expected(*args, **kwargs)).backward()
+    FULL[1](expected)
+    assert_grads_close(model, expected)
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_gpt2_over_sequences_of_several_lengths_stays_exact(scope):
+    """The second length makes Dynamo recompile the model with a symbolic sequence length."""
+    model, _, _ = models.build("gpt2")
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(FULL[0], compiler="aot_eager", scope=scope)
+    compiled = backend.compile(model)
+    for length in (8, 12, 16):
+        ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
+        model.zero_grad()
+        expected.zero_grad()
+        compiled(ids, labels=ids).loss.backward()
+        if scope == "step":
+            backend.step()
+        expected(ids, labels=ids).loss.backward()
+        FULL[1](expected)
+        assert_grads_close(model, expected)
+
+
 class ComplexHead(nn.Module):
     def __init__(self):
         super().__init__()
