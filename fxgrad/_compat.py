@@ -42,6 +42,7 @@ __all__ = [
     "tensor_version",
     "has_grad_hooks",
     "backward_pass_id",
+    "compiled_backward_nodes",
     "layout_check",
     "may_record_grad",
     "foreach_norm",
@@ -444,6 +445,17 @@ def backward_pass_id() -> int:
     """The id of the backward pass running now (autograd's graph task), -1 outside one: hooks
     that fire in one ``backward()`` see the same id, and each pass a new one."""
     return torch._C._current_graph_task_id()
+
+
+def compiled_backward_nodes(outputs: Any) -> set:
+    """The autograd nodes of AOTAutograd's compiled backward that ``outputs`` (the results of
+    one call of a compiled graph) come straight from; outputs that are views have a view
+    node of their own in front, and are left out."""
+    return {
+        t.grad_fn
+        for t in tensors_in(outputs)
+        if t.grad_fn is not None and type(t.grad_fn).__name__ == "CompiledFunctionBackward"
+    }
 
 
 def has_grad_hooks(tensor: torch.Tensor) -> bool:

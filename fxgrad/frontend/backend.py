@@ -201,6 +201,8 @@ class Backend:
             if graph.params and args[graph.params[0].index] is not graph.params[0].tensor():
                 self._rebind(graph, args)
             outputs = compiled(*args)
+            if graph.reads_weights is not False and graph.params and torch.is_grad_enabled():
+                self._bind_before_backward(graph, args, outputs)
             if count_backwards and torch.is_grad_enabled():
                 # This call's parameters: a graph reused for another module is rebound on each call.
                 probe = next((t for p in graph.params if (t := args[p.index]).requires_grad), None)
@@ -233,6 +235,19 @@ class Backend:
             "the first module's layers. Remove the graph break, give each model its own "
             "fxgrad.backend(...), or use scope='step'."
         )
+
+    def _bind_before_backward(self, graph: CapturedGraph, args: tuple, outputs: Any) -> None:
+        """Bind ``graph`` to this call's parameters when its backward starts: the backward reads
+        weights, and when Dynamo runs the graph for several modules (a graph break inside a
+        repeated block's forward), the last forward's are not this call's."""
+        params = [args[p.index] for p in graph.params]
+
+        def bind(grad_outputs: Any) -> None:
+            if graph.params[0].tensor() is not params[0]:
+                graph.bind(params)
+
+        for node in _compat.compiled_backward_nodes(outputs):
+            node.register_prehook(bind)
 
     def _backward_ran(
         self, graph: CapturedGraph, probe: nn.Parameter | None, unwatched: bool, reached: list[bool], grad_outputs: Any
@@ -344,6 +359,7 @@ class Backend:
         return stand_in is None or stand_in.covers(gm)
 
     def _rewrite(self, graph: CapturedGraph, gm: torch.fx.GraphModule, folded: bool) -> None:
+        graph.reads_weights = False  # until a rule looks parameters up (graph.tensors)
         try:
             outputs = passes.gradient_outputs(gm, graph.num_inputs)
         except passes.GraphMismatchError:

@@ -83,6 +83,9 @@ class CapturedGraph:
     gaps: list = dataclasses.field(default_factory=list)
     # Prefixes given to modules whose layer names other modules already had:
     renamed_roots: list = dataclasses.field(default_factory=list)
+    # Whether the rewritten backward reads parameters (None: not rewritten yet). Such a graph,
+    # run for several modules, is bound to each call's parameters before that call's backward.
+    reads_weights: bool | None = None
     # Parameters of other modules Dynamo ran this graph with (a graph break inside a repeated
     # block's forward): id -> (the parameter, weakly; its layer). Their gradients are transformed.
     reused: dict = dataclasses.field(default_factory=dict)
@@ -95,6 +98,7 @@ class CapturedGraph:
 
     def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
         """The parameters ``names`` stand for now (weight-reading transforms call this each step)."""
+        self.reads_weights = True
         if self._by_name is None:
             self._by_name = {p.name: p.tensor for p in self.params}
         return [self._by_name[name]() for name in names]
@@ -105,9 +109,13 @@ class CapturedGraph:
         (``load_state_dict(assign=True)``) rather than belong to another module
         that Dynamo runs this graph for."""
         replaced = self.params[0].held_by_owner(inputs[self.params[0].index])
-        self.params = [dataclasses.replace(p, tensor=weakref.ref(inputs[p.index])) for p in self.params]
-        self._by_name = None
+        self.bind([inputs[p.index] for p in self.params])
         return replaced
+
+    def bind(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Read ``tensors`` as the parameters, one per slot, from now on."""
+        self.params = [dataclasses.replace(p, tensor=weakref.ref(t)) for p, t in zip(self.params, tensors)]
+        self._by_name = None
 
     def param_names(self) -> set[str]:
         return {p.name for p in self.params}
