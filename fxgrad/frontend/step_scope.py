@@ -22,8 +22,9 @@ run the rules eagerly, where DTensor all-reduces the partial sums.
 ``backend.step()`` is optional when a ``torch.optim`` optimizer steps the
 model: :class:`StepScope` hooks ``optimizer.step()`` and runs the policy there
 on the models that optimizer steps, if their gradients changed since the last
-``backend.step()`` (it never runs twice on the same gradients). Call it yourself when something must see the
-transformed gradients before the optimizer does.
+``backend.step()`` (it never runs twice on the same gradients). Call it
+yourself when something must see the transformed gradients before the
+optimizer does.
 """
 
 from __future__ import annotations
