@@ -606,6 +606,9 @@ def _case(blocks, policy, **changes) -> Case:
 
 
 @PROFILE
+@example(  # one graph run for both blocks: each block's backward reads its own weights (found here, fixed)
+    _case(("inner_break", "inner_break"), leaf("scale_by_trust_ratio", trust_coefficient=1.0, eps=0.0, min_norm=0.0))
+)
 @example(  # graph scope refuses a global clip across a graph break; step scope applies it
     _case(("linear", "break", "inner_break"), leaf("clip_by_global_norm", max_norm=1e-3, norm_type=2.0))
 )

@@ -97,7 +97,8 @@ class CapturedGraph:
         return self.compiled is None or self.compiled() is not None
 
     def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
-        """The parameters ``names`` stand for now (weight-reading transforms call this each step)."""
+        """The parameters ``names`` stand for now (weight-reading transforms call this when the
+        rewrite records them, and on each step), so the graph reads weights."""
         self.reads_weights = True
         if self._by_name is None:
             self._by_name = {p.name: p.tensor for p in self.params}

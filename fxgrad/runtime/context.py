@@ -282,12 +282,16 @@ class RouteContext:
             raise RuntimeError("parameter values are not available in this graph")
         lookup = self.graph.params
         names = [layer.params for layer in self.layers]
+        for layer_params in names:  # now: a name that resolves to no parameter fails here, not in the backward
+            lookup(layer_params)
         return lambda: [lookup(layer_params) for layer_params in names]
 
     def _external(
         self, what: str, read: Callable[[], torch.Tensor], numel: int, dtype: torch.dtype = torch.float64
     ) -> torch.Tensor:
-        key = (what, self.key, tuple(layer.name for layer in self.layers))
+        # One group per parameter lookup: a frame recompiled (a new input shape) has a graph of its
+        # own, each bound to the parameters of its own calls (a graph run for repeated blocks).
+        key = (what, self.key, tuple(layer.name for layer in self.layers), self.graph.params)
         group = self.graph.store.external_group(f"{what} of {self.key}", key, read, numel, self.graph.device, dtype)
         return torch.ops.fxgrad.load_state(group.name)
 
