@@ -134,12 +134,8 @@ class GraphRecorder(TorchDispatchMode):
         inputs, nodes, outputs, container = template
         new = dict(zip(inputs, (self.node(a) for a in args if isinstance(a, torch.Tensor))))
         for node in nodes:
-            copy = self.graph.create_node(
-                "call_function", node.target, name=PREFIX + node.target.overloadpacket.__name__
-            )
-            copy.args = torch.fx.node.map_arg(node.args, new.__getitem__)
-            if node.kwargs:
-                copy.kwargs = torch.fx.node.map_arg(node.kwargs, new.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, new.__getitem__) if node.kwargs else {}
+            copy = self._new_node(node.target, torch.fx.node.map_arg(node.args, new.__getitem__), kwargs)
             value = node.meta["val"]
             if node.target in _compat.VIEWS:
                 base, template_base = copy.args[0].meta["val"], node.args[0].meta["val"]
@@ -259,13 +255,19 @@ class GraphRecorder(TorchDispatchMode):
 
     def _record(self, func, args, kwargs, result) -> torch.fx.Node:
         map_arg = lambda a: self.node(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
+        kwargs = torch.fx.node.map_aggregate(kwargs, map_arg) if kwargs else {}
+        node = self._new_node(func, torch.fx.node.map_aggregate(args, map_arg), kwargs)
+        self._tag(node, result)
+        return node
+
+    def _new_node(self, func, args: tuple, kwargs: dict) -> torch.fx.Node:
+        """A ``call_function`` node of ``func`` on ``args`` and ``kwargs`` (nodes already)."""
         # Arguments assigned after creation: create_node's walk of them for symbolic scalars
         # costs twice as much as the rest of it, and a static-shape recording has none.
         node = self.graph.create_node("call_function", func, name=PREFIX + func.overloadpacket.__name__)
-        node.args = torch.fx.node.map_aggregate(args, map_arg)
+        node.args = args
         if kwargs:
-            node.kwargs = torch.fx.node.map_aggregate(kwargs, map_arg)
-        self._tag(node, result)
+            node.kwargs = kwargs
         return node
 
     def _tag(self, node: torch.fx.Node, value: Any) -> None:
