@@ -170,8 +170,9 @@ class Backend:
         # A folded graph leaves its factor to the optimizer: one backward per step may, no more (see fold()).
         folded = bool(self._folded) and self.current_scope() == "graph"
         step_scope = self.current_scope() == "step"
-        # Step scope: backwards are counted to see gradients dropped before the policy ran on them.
-        count_backwards = unwatched or (bool(graph.params) and (folded or (step_scope and self._step is not None)))
+        count_backwards = unwatched or (folded and bool(graph.params))
+        # Step scope: backwards are watched until the policy first runs, to see a loop that never runs it.
+        watch_steps = step_scope and self._step is not None and bool(graph.params)
         if self._step_check is not None:
             self._step_check.arm()
         if step_scope and self._step is not None:
@@ -203,7 +204,7 @@ class Backend:
             outputs = compiled(*args)
             if graph.reads_weights is not False and graph.params and torch.is_grad_enabled():
                 self._bind_before_backward(graph, args, outputs)
-            if count_backwards and torch.is_grad_enabled():
+            if (count_backwards or (watch_steps and self._policy_runs.watching)) and torch.is_grad_enabled():
                 # This call's parameters: a graph reused for another module is rebound on each call.
                 probe = next((t for p in graph.params if (t := args[p.index]).requires_grad), None)
                 reached = functools.partial(self._backward_ran, graph, probe, unwatched, [False])  # once per call
@@ -222,11 +223,11 @@ class Backend:
         running the graph shares the first one's per-layer state.
         """
         self.registry.rebound()
-        before = [p.tensor() for p in graph.params]
+        before = graph.params  # rebind replaces the list
         if graph.rebind(args) or self._coverage is None:
             return
         if id(args[graph.params[0].index]) not in graph.reused:
-            self.registry.note_reuse(graph, before + [args[p.index] for p in graph.params])
+            self.registry.note_reuse(graph, [p.tensor() for p in before] + [args[p.index] for p in graph.params])
         self._coverage.warn(
             f"fxgrad: Dynamo reuses the graph compiled for layer {graph.params[0].layer!r} with the parameters "
             "of another module (a graph break inside a repeated block's forward, or a second model of the "

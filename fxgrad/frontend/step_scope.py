@@ -115,16 +115,19 @@ Models = Callable[[], list[tuple[nn.Module, str]]]
 
 
 class PolicyRuns:
-    """Counts the runs of step scope's policy, and warns when gradients are dropped before one.
+    """Warns when gradients are dropped before step scope's policy ever ran on them.
 
     Step scope runs at ``optimizer.step()`` of a ``torch.optim`` optimizer, or at
     ``backend.step()``. A loop that updates the weights itself calls neither, and the
-    policy silently does nothing. A backward through a compiled graph that starts on
-    zeroed gradients (not accumulating) with no run since the previous backward shows
-    it; two in a row warn (one could be a step skipped on purpose)::
+    policy silently does nothing. Until the policy first runs (:attr:`watching`), a
+    backward through a compiled graph that starts on zeroed gradients (not accumulating)
+    after an earlier one shows it; two in a row warn (one could be a batch skipped on
+    purpose). Once the policy ran, the loop calls one of them, and backwards go
+    unwatched::
 
         runs = PolicyRuns()
-        runs.backward_started(probe, accumulating=False)  # per compiled graph, per backward
+        if runs.watching:
+            runs.backward_started(probe, accumulating=False)  # per compiled graph, per backward
         runs.ran()  # per run of the policy
 
     Left out while a process group is initialized: DDP and FSDP2 replace or free the
@@ -132,22 +135,27 @@ class PolicyRuns:
     """
 
     def __init__(self) -> None:
-        self._runs = 0
-        # per probe (one parameter per compiled graph): the runs at its last backward, and how
-        # many backwards in a row found its gradient dropped with no run since
-        self._backwards: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._ran = False
         self._told = False
+        # per probe (one parameter per compiled graph): backwards in a row that found its gradient dropped
+        self._dropped: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def ran(self) -> None:
-        self._runs += 1
+        self._ran = True
+
+    @property
+    def watching(self) -> bool:
+        """Whether backwards need :meth:`backward_started`: the policy never ran, and nothing was said."""
+        return not self._ran and not self._told
 
     def backward_started(self, probe: nn.Parameter, accumulating: bool) -> None:
         """A backward reaches a compiled graph of which ``probe`` is a parameter; ``accumulating``:
         whether ``probe.grad`` still holds the previous backward's gradient."""
-        runs, dropped = self._backwards.get(probe, (None, 0))
-        dropped = dropped + 1 if runs == self._runs and not accumulating else 0
-        self._backwards[probe] = self._runs, dropped
-        if dropped >= 2 and not self._told and not torch.distributed.is_initialized():
+        if not self.watching:
+            return
+        dropped = self._dropped.get(probe)
+        self._dropped[probe] = 0 if dropped is None or accumulating else dropped + 1
+        if self._dropped[probe] >= 2 and not torch.distributed.is_initialized():
             self._told = True
             warnings.warn(DROPPED, CoverageWarning, stacklevel=6)  # at loss.backward()
 
