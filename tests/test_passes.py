@@ -37,6 +37,7 @@ def test_recorded_rule_keeps_contract_and_tags_nodes():
     assert outputs[1] is None
     new = record(gm, fake_mode, [outputs[0], outputs[2]], lambda gs: [g * 0.5 for g in gs], "halve")
     passes.replace_gradient_outputs(gm, {0: new[0], 2: new[1]})
+    gm.graph.lint()
     passes.check_outputs(gm, signature)
     inserted = passes.inserted_nodes(gm)
     assert [n.name for n in inserted] == ["fxgrad_mul", "fxgrad_mul_1"]
@@ -123,13 +124,17 @@ def test_repeated_signatures_get_the_metadata_a_fake_dispatch_gives():
 
 
 def _check_against_fake_dispatch(gm, fake_mode) -> int:
-    """Check each inserted node's metadata against a real fake dispatch; how many were checked."""
+    """Lint ``gm`` and check each inserted node's metadata against a real fake dispatch; how
+    many were checked."""
+    gm.graph.lint()
     checked = 0
     for node in passes.inserted_nodes(gm):
         args = torch.fx.node.map_arg(node.args, lambda n: n.meta["val"])
         with fake_mode:
             expected = node.target(*args, **node.kwargs)
         got = node.meta["val"]
+        assert type(got) is type(expected) and got.fake_mode is fake_mode, node.format_node()
+        assert vars(got).keys() == vars(expected).keys(), node.format_node()
         assert (got.shape, got.stride(), got.dtype, got.device, got.storage_offset()) == (
             expected.shape,
             expected.stride(),

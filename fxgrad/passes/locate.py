@@ -40,5 +40,4 @@ def replace_gradient_outputs(gm: torch.fx.GraphModule, replacements: Mapping[int
     values: Sequence = output.args[0]
     new_values = [replacements.get(i, value) for i, value in enumerate(values)]
     output.args = (type(values)(new_values),) + tuple(output.args[1:])
-    gm.graph.lint()
     gm.recompile()
