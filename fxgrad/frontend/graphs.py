@@ -159,7 +159,10 @@ class GraphRegistry:
             return "in another compiled graph of the same forward (a graph break)"
         if any(p.layer == layer for other in self.graphs for p in other.params):
             return "in another compiled graph"
-        return "in no compiled graph: it runs outside torch.compile, or the forward does not use it"
+        return (
+            "in no compiled graph: it runs outside torch.compile (a graph break in a loop, or a frame "
+            "past torch._dynamo.config.recompile_limit), or the forward does not use it"
+        )
 
     def model_layers(
         self, graph: CapturedGraph, has_grad: set[int], skip: tuple[SkipEntry, ...]
