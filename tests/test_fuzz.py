@@ -5,10 +5,13 @@ tied weights, frozen blocks, a module never called, a parameter on the root, a l
 used twice, graph breaks inline or inside a block's forward), a policy (chains and
 ``by_type``/``by_name`` routings of the shipped rules with random valid arguments, a
 random skip list), a dtype (float32 or bfloat16), ``dynamic=`` and 1-3 training steps
-with random input shapes and scales. The same model then trains three times:
-eagerly with the policy's reference from ``tests/reference.py`` applied to ``.grad``,
-and compiled with ``aot_eager`` under ``scope="graph"`` and ``scope="step"``. After
-every step the gradients must agree, unless ``scope="graph"`` refuses with
+with random input shapes and scales. The same model then trains three times, compiled
+with ``aot_eager``: without a policy and with the policy's reference from
+``tests/reference.py`` applied to ``.grad``, and with fxgrad under ``scope="graph"`` and
+``scope="step"``. The reference starts from the compiled backward's own gradients, so
+that what is compared is fxgrad's rewrite alone, not how the compiled backward rounds
+next to eager autograd (SinkGD's row scaling turns a 2e-7 rounding difference in a
+near-zero row into 0.5% of its output). After every step the gradients must agree, unless ``scope="graph"`` refuses with
 ``fxgrad.CoverageError``, which it may only do when a graph break or a parameter
 without gradient splits a cross-layer transform's layers, or a parameter is used on
 both sides of a graph break. Coverage warnings are allowed (frozen layers, keys that
@@ -532,7 +535,7 @@ def _may_refuse(case: Case) -> bool:
 def _assert_close(actual: nn.Module, expected: nn.Module, rtol: float, what: str) -> None:
     for (name, a), b in zip(actual.named_parameters(), expected.parameters()):
         if b.grad is None:
-            assert a.grad is None, f"{what}: {name} has a gradient, eagerly none"
+            assert a.grad is None, f"{what}: {name} has a gradient, the reference none"
             continue
         assert a.grad is not None, f"{what}: {name}: no gradient"
         scale = b.grad.double().abs().max().clamp_min(1e-30).item()
@@ -548,14 +551,21 @@ def _check_warnings(caught) -> None:
 
 
 def run_case(case: Case) -> None:
-    _compat.reset_dynamo()  # each example compiles from scratch (and stays under recompile_limit)
+    # Three models of one class, each compiled with its own backend: Dynamo compiles a frame
+    # inside a block once per backend, block and input shape.
+    with _compat.dynamo_config().patch(recompile_limit=32):
+        _run_case(case)
+
+
+def _run_case(case: Case) -> None:
+    _compat.reset_dynamo()  # each example compiles from scratch
     gc.collect()  # earlier examples' backends and graphs go now, not in the middle of this one
     _compat.dynamo_config().allow_rnn = True
     torch.manual_seed(case.seed)
     model = fuzz_net(case.arch.blocks)(case.arch).to(case.dtype)
-    eager, graph_model, step_model = model, copy.deepcopy(model), copy.deepcopy(model)
+    ref_model, graph_model, step_model = model, copy.deepcopy(model), copy.deepcopy(model)
     transform, rtol = case.policy.build(), (4e-2 if case.dtype == torch.bfloat16 else 1e-4)
-    layers = ref_layers(eager, case.skip)
+    layers = ref_layers(ref_model, case.skip)
     routes = case.policy.routes(layers)
     references = [leaf.reference() for leaf, _ in routes]
     graph_backend = fxgrad.backend(transform, skip=case.skip, compiler="aot_eager", scope="graph")
@@ -563,15 +573,16 @@ def run_case(case: Case) -> None:
     runs = {"graph": graph_model, "step": step_model}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        plain = fxgrad.backend(None, compiler="aot_eager").compile(ref_model, dynamic=case.dynamic)
         compiled = {
             "graph": graph_backend.compile(graph_model, dynamic=case.dynamic),
             "step": step_backend.compile(step_model, dynamic=case.dynamic),
         }
         optimizers = {key: torch.optim.SGD(m.parameters(), lr=case.lr) for key, m in runs.items()}
-        eager_optimizer = torch.optim.SGD(eager.parameters(), lr=case.lr)
+        ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=case.lr)
         for step, x in enumerate(_inputs(case)):
-            eager.zero_grad()
-            models.loss_of(eager(x)).backward()
+            ref_model.zero_grad()
+            models.loss_of(plain(x)).backward()
             for (_, routed), reference in zip(routes, references):
                 live = [
                     dataclasses.replace(layer, params=tuple(p for p in layer.params if p.grad is not None))
@@ -590,8 +601,8 @@ def run_case(case: Case) -> None:
                     del runs[key]
                     continue
                 optimizers[key].step()  # step scope: the policy runs here, before the update
-                _assert_close(runs[key], eager, rtol, f"scope={key}, step {step}")
-            eager_optimizer.step()
+                _assert_close(runs[key], ref_model, rtol, f"scope={key}, step {step}")
+            ref_optimizer.step()
     _check_warnings(caught)
 
 
