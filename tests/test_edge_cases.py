@@ -1,6 +1,7 @@
 """Frozen parameters, shared parameters, buffers, dynamic shapes, low precision, complex values, sparse gradients."""
 
 import copy
+import gc
 import warnings
 
 import models
@@ -354,3 +355,20 @@ def test_sparse_gradients_under_inductor_are_refused_in_graph_scope():
     inside Inductor (step scope runs the rules on them eagerly, as above)."""
     with pytest.raises(NotImplementedError, match=r"gradients of 'emb' are sparse.*skip=\('emb',\)"):
         sparse_step("graph", "inductor")
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["none frozen", "program froze its objects"])
+def test_the_rewrite_leaves_the_garbage_collector_as_it_was(frozen):
+    """The rewrite pauses the collector and moves its objects to the oldest generation with
+    gc.freeze() + gc.unfreeze(), which it skips when the program has frozen objects."""
+    model = models.MLP()
+    enabled = gc.isenabled()
+    if frozen:
+        gc.freeze()
+    try:
+        count = gc.get_freeze_count()
+        compile_and_step(model, fxgrad.clip_by_norm(1.0), torch.randn(4, 16))
+        assert gc.isenabled() == enabled
+        assert (0 < gc.get_freeze_count() <= count) if frozen else gc.get_freeze_count() == 0  # some were freed
+    finally:
+        gc.unfreeze()

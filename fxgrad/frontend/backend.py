@@ -636,17 +636,26 @@ class Backend:
 
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector.
+    """Pause Python's cyclic garbage collector, and move what the pass made to the oldest
+    generation.
 
     The pass allocates many small objects (FX nodes, fake tensors); each
     collection they trigger rescans the whole heap. Measured at 1000 layers:
-    3.1 s with the collector running, 1.3 s paused.
+    3.1 s with the collector running, 1.3 s paused. The objects live as long as
+    the graph, but back on, the collector would scan them all in its youngest
+    generation, then again in the middle one (0.12 s each for sinkhorn's 79,000
+    nodes). ``gc.freeze()`` then ``gc.unfreeze()`` moves every tracked object to
+    the oldest generation without a scan; it is skipped when the program has
+    frozen objects of its own (``unfreeze`` would thaw them).
     """
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if not gc.get_freeze_count():
+            gc.freeze()
+            gc.unfreeze()
         if enabled:
             gc.enable()
 
