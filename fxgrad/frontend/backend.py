@@ -202,7 +202,7 @@ class Backend:
             if graph.params and args[graph.params[0].index] is not graph.params[0].tensor():
                 self._rebind(graph, args)
             outputs = compiled(*args)
-            if graph.reads_weights is not False and graph.params and torch.is_grad_enabled():
+            if not step_scope and graph.reads_weights is not False and graph.params and torch.is_grad_enabled():
                 self._bind_before_backward(graph, args, outputs)
             if (count_backwards or (watch_steps and self._policy_runs.watching)) and torch.is_grad_enabled():
                 # This call's parameters: a graph reused for another module is rebound on each call.
@@ -565,10 +565,14 @@ class Backend:
             self._update_factors.before_step(optimizer, models)
 
     def _step_models(self) -> list[tuple[nn.Module, str]]:
-        models = [(ref(), "") for ref in self._models if ref() is not None]
-        return models + [
-            (root.module(), root.prefix) for root in self.registry.roots.values() if root.module() is not None
-        ]
+        """The models step scope covers: those given to :meth:`compile`, then the roots of the
+        compiled graphs (a model compiled with ``backend.compile`` is both; it counts once)."""
+        models = {id(model): (model, "") for model in (ref() for ref in self._models) if model is not None}
+        for root in self.registry.roots.values():
+            model = root.module()
+            if model is not None:
+                models.setdefault(id(model), (model, root.prefix))
+        return list(models.values())
 
     def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list | None = None) -> None:
         self._policy_runs.ran()
