@@ -134,7 +134,7 @@ def _check_against_fake_dispatch(gm, fake_mode) -> int:
             expected = node.target(*args, **node.kwargs)
         got = node.meta["val"]
         assert type(got) is type(expected) and got.fake_mode is fake_mode, node.format_node()
-        assert vars(got).keys() == vars(expected).keys(), node.format_node()
+        assert vars(got) == vars(expected), node.format_node()  # the fake mode, device, empty memos
         assert (got.shape, got.stride(), got.dtype, got.device, got.storage_offset()) == (
             expected.shape,
             expected.stride(),

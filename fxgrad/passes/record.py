@@ -57,7 +57,9 @@ class GraphRecorder(TorchDispatchMode):
         self.decompositions = decompositions
         self.label = "fxgrad"
         self._nodes: dict[int, torch.fx.Node] = {}  # id of a tensor -> the node whose meta["val"] it is
-        self._results_by_signature: dict[tuple, torch.Tensor] = {}
+        # signature -> (None, layout) or (container type, layouts) of a functional op's result,
+        # or (layout, offset relative to the input's) of a view's
+        self._results_by_signature: dict[tuple, tuple] = {}
         self._keys: dict[int, tuple] = {}  # id of a node's tensor -> its part of a signature
         self._templates: dict[tuple, tuple | None] = {}  # see replay
         self._recorded: list[torch.fx.Node] = []
