@@ -357,17 +357,22 @@ def test_sparse_gradients_under_inductor_are_refused_in_graph_scope():
         sparse_step("graph", "inductor")
 
 
+@pytest.mark.parametrize("scope", ["graph", "step"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["none frozen", "program froze its objects"])
-def test_the_rewrite_leaves_the_garbage_collector_as_it_was(frozen):
-    """The rewrite pauses the collector and moves its objects to the oldest generation with
-    gc.freeze() + gc.unfreeze(), which it skips when the program has frozen objects."""
+def test_recording_leaves_the_garbage_collector_as_it_was(frozen, scope):
+    """A recording (the backward's rewrite, the step program's) pauses the collector and moves
+    its objects to the oldest generation with gc.freeze() + gc.unfreeze(), which it skips when
+    the program has frozen objects."""
     model = models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager", scope=scope)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     enabled = gc.isenabled()
     if frozen:
         gc.freeze()
     try:
         count = gc.get_freeze_count()
-        compile_and_step(model, fxgrad.clip_by_norm(1.0), torch.randn(4, 16))
+        models.loss_of(backend.compile(model)(torch.randn(4, 16))).backward()
+        optimizer.step()  # step scope records its program here
         assert gc.isenabled() == enabled
         assert (0 < gc.get_freeze_count() <= count) if frozen else gc.get_freeze_count() == 0  # some were freed
     finally:

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import warnings
 import weakref
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.fx
@@ -45,6 +44,7 @@ from fxgrad.frontend.warm_start import StandIn
 from fxgrad.frontend.watch import ForwardWatch, GradWrites, track_wrapper
 from fxgrad.passes.capture import CapturedGraph, Root, capture
 from fxgrad.passes.graphtext import normalize_code, render_inserted
+from fxgrad.passes.record import gc_paused
 from fxgrad.runtime.state import StateStore, group_label
 
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
@@ -355,7 +355,7 @@ class Backend:
         self, graph: CapturedGraph, folded: bool, gm: torch.fx.GraphModule, stand_in: StandIn | None = None
     ) -> bool:
         """Rewrite ``gm``; whether its compiled code may be saved to the on-disk caches."""
-        with _gc_paused():
+        with gc_paused():
             self._rewrite(graph, gm, folded)
         return stand_in is None or stand_in.covers(gm)
 
@@ -636,32 +636,6 @@ class Backend:
                 f"with <position>.<transform>/: {', '.join(owners) or 'none (no transform)'}"
             )
         self.store.load_state_dict(state)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector, and move what the pass made to the oldest
-    generation.
-
-    The pass allocates many small objects (FX nodes, fake tensors); each
-    collection they trigger rescans the whole heap. Measured at 1000 layers:
-    3.1 s with the collector running, 1.3 s paused. The objects live as long as
-    the graph, but back on, the collector would scan them all in its youngest
-    generation, then again in the middle one (0.12 s each for sinkhorn's 79,000
-    nodes). ``gc.freeze()`` then ``gc.unfreeze()`` moves every tracked object to
-    the oldest generation without a scan; it is skipped when the program has
-    frozen objects of its own (``unfreeze`` would thaw them).
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if not gc.get_freeze_count():
-            gc.freeze()
-            gc.unfreeze()
-        if enabled:
-            gc.enable()
 
 
 def _refuse_sparse(plan: GraphPlan, outputs: list[torch.fx.Node | None]) -> None:

@@ -43,6 +43,7 @@ from fxgrad import _compat
 from fxgrad.core.layers import Owner
 from fxgrad.core.rule import Route
 from fxgrad.frontend.rewrite import record_policy
+from fxgrad.passes.record import gc_paused
 from fxgrad.runtime import norm_math
 from fxgrad.runtime.state import StateStore
 
@@ -197,7 +198,7 @@ class StepPrograms:
         process group named ``group``)."""
         gm, inputs = _gradient_graph(owners, grads)
         lookup = lambda names: [self._weights[1][name] for name in names]  # noqa: E731
-        with norm_math.local_shards(group) if group is not None else contextlib.nullcontext():
+        with gc_paused(), norm_math.local_shards(group) if group is not None else contextlib.nullcontext():
             new = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold, per_step=True)
         output = gm.graph.output_node()
         with gm.graph.inserting_before(output):

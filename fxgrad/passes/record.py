@@ -34,6 +34,7 @@ node for the other gradients, with no dispatch at all.
 from __future__ import annotations
 
 import contextlib
+import gc
 import operator
 from typing import Any, Callable, Iterable, Iterator
 
@@ -287,6 +288,32 @@ class GraphRecorder(TorchDispatchMode):
         node.meta["stack_trace"] = f"fxgrad: {self.label}\n"
         if isinstance(value, torch.Tensor):
             self._nodes[id(value)] = node
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector, and move what a recording made to the oldest
+    generation.
+
+    A recording allocates many small objects (FX nodes, fake tensors); each
+    collection they trigger rescans the whole heap. Measured at 1000 layers:
+    3.1 s with the collector running, 1.3 s paused. The objects live as long as
+    the graph, but back on, the collector would scan them all in its youngest
+    generation, then again in the middle one (0.12 s each for sinkhorn's 79,000
+    nodes). ``gc.freeze()`` then ``gc.unfreeze()`` moves every tracked object to
+    the oldest generation without a scan; it is skipped when the program has
+    frozen objects of its own (``unfreeze`` would thaw them).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if not gc.get_freeze_count():
+            gc.freeze()
+            gc.unfreeze()
+        if enabled:
+            gc.enable()
 
 
 class _NotPlain(Exception):
