@@ -11,12 +11,13 @@ with ``aot_eager``: without a policy and with the policy's reference from
 ``scope="step"``. The reference starts from the compiled backward's own gradients, so
 that what is compared is fxgrad's rewrite alone, not how the compiled backward rounds
 next to eager autograd (SinkGD's row scaling turns a 2e-7 rounding difference in a
-near-zero row into 0.5% of its output). After every step the gradients must agree, unless ``scope="graph"`` refuses with
-``fxgrad.CoverageError``, which it may only do when a graph break or a parameter
-without gradient splits a cross-layer transform's layers, or a parameter is used on
-both sides of a graph break. Coverage warnings are allowed (frozen layers, keys that
-match nothing) but must start with ``fxgrad:``. A second property builds every rule
-with a bad argument and expects a TypeError or ValueError naming it.
+near-zero row into 0.5% of its output). After every step the gradients must agree,
+unless ``scope="graph"`` refuses with ``fxgrad.CoverageError``, which it may only do
+when a graph break or a parameter without gradient splits a cross-layer transform's
+layers, or a parameter is used on both sides of a graph break. Coverage warnings are
+allowed (frozen layers, keys that match nothing) but must start with ``fxgrad:``. A
+second property builds every rule with a bad argument and expects a TypeError or
+ValueError naming it.
 
 The default run is a fixed, derandomized set of examples (part of ``make test``).
 A longer random search::
