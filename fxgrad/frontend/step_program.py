@@ -247,4 +247,4 @@ def _gradient_graph(
 
 def _layout(grads: Sequence[torch.Tensor]) -> tuple:
     """What a program depends on of the gradients themselves."""
-    return tuple((g.shape, g.stride(), g.dtype, g.device) for g in grads)
+    return tuple(map(_compat.tensor_layout, grads))

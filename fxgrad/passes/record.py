@@ -130,7 +130,7 @@ class GraphRecorder(TorchDispatchMode):
             known.add(node)
             value = node.meta["val"]
             relative_offset = value.storage_offset() - node.args[0].meta["val"].storage_offset() if view else None
-            steps.append((node, _compat.fake_layout(value), relative_offset))
+            steps.append((node, _compat.tensor_layout(value), relative_offset))
         outputs = [self.node(r) for r in results]
         if not known.issuperset(outputs):
             return None
@@ -198,9 +198,9 @@ class GraphRecorder(TorchDispatchMode):
         if known is None:
             result = func(*args, **kwargs)
             if isinstance(result, torch.Tensor):
-                self._results_by_signature[signature] = (None, _compat.fake_layout(result))
+                self._results_by_signature[signature] = (None, _compat.tensor_layout(result))
             else:
-                self._results_by_signature[signature] = (type(result), [_compat.fake_layout(r) for r in result])
+                self._results_by_signature[signature] = (type(result), [_compat.tensor_layout(r) for r in result])
             return result
         container, layout = known
         with _compat.no_dispatch():
@@ -218,7 +218,7 @@ class GraphRecorder(TorchDispatchMode):
         known = self._results_by_signature.get(signature)
         if known is None:
             result = func(*args, **kwargs)
-            layout = _compat.fake_layout(result)
+            layout = _compat.tensor_layout(result)
             self._results_by_signature[signature] = (layout, result.storage_offset() - base.storage_offset())
             return result
         layout, relative_offset = known
@@ -261,7 +261,7 @@ class GraphRecorder(TorchDispatchMode):
             or not all(isinstance(n, int) for n in value.shape)
         ):
             raise _NotPlain
-        key = (value.shape, value.stride(), value.dtype, value.device)
+        key = _compat.tensor_layout(value)
         if id(value) in self._nodes:
             self._keys[id(value)] = key
         return key
