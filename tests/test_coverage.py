@@ -239,17 +239,67 @@ def test_forward_run_eagerly_after_the_recompile_limit_is_reported():
             compiled(torch.randn(5, 8))  # inference: no policy to miss
 
 
-def test_a_graph_reused_for_another_instance_is_reported(compile_with):
-    """Dynamo runs the first model's graph for a second instance: no false "nothing compiled",
-    gradients right, and a warning that per-layer state and weight reads follow the first."""
+def sweep(compile_, trials, reference=False):
+    """``trials`` models of one class, each compiled by its own backend in one process (a
+    hyperparameter sweep), each stepped once; yields each trial's model and eager copy."""
+    for _ in range(trials):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        eager = copy.deepcopy(model)
+        backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager")
+        compiled = compile_(backend, model)
+        x = torch.randn(4, 8)
+        compiled(x).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        eager(x).sum().backward()
+        ref.clip_global(eager, 1e-2)
+        yield model, eager
+
+
+def test_backends_compiling_one_model_class_each_keep_their_own_recompile_limit():
+    """``backend.compile`` isolates the compiled model's Dynamo cache: the third backend
+    of a sweep under ``recompile_limit=2`` still compiles, and clips."""
+    with _compat.dynamo_config().patch(recompile_limit=2):
+        for model, eager in sweep(lambda backend, model: backend.compile(model), trials=3):
+            assert_grads_close(model, eager)
+
+
+def test_backends_sharing_one_dynamo_cache_past_the_limit_are_told_how_to_isolate_it():
+    """``torch.compile(model, backend=backend)`` shares the cache of the model's code with
+    every other backend: past the limit the forward runs eagerly, and the error says so."""
+    with _compat.dynamo_config().patch(recompile_limit=2):
+        with pytest.raises(fxgrad.CoverageError, match="isolate_recompiles=True"):
+            for _ in sweep(lambda backend, model: torch.compile(model, backend=backend), trials=3):
+                pass
+
+
+def test_a_graph_reused_for_another_instance_is_reported():
+    """Through ``torch.compile``, Dynamo runs the first model's graph for a second instance:
+    no false "nothing compiled", gradients right, and a warning that per-layer state and
+    weight reads follow the first."""
     first, second = models.MLP(), models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
     expected = copy.deepcopy(second)
     x = torch.randn(4, 16)
     with coverage_silent():
-        models.loss_of(compile_with(backend, first)(x)).backward()
+        models.loss_of(torch.compile(first, backend=backend)(x)).backward()
     with pytest.warns(fxgrad.CoverageWarning, match="reuses the graph compiled for layer 'net.0'"):
-        models.loss_of(compile_with(backend, second)(x)).backward()
+        models.loss_of(torch.compile(second, backend=backend)(x)).backward()
+    models.loss_of(expected(x)).backward()
+    ref.clip_global(expected, 1e-3)
+    assert_grads_close(second, expected)
+
+
+def test_backend_compile_gives_another_instance_a_graph_of_its_own():
+    """``backend.compile`` isolates each compiled model's Dynamo cache: the second instance
+    compiles its own graph, and nothing needs saying."""
+    first, second = models.MLP(), models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    expected = copy.deepcopy(second)
+    x = torch.randn(4, 16)
+    with coverage_silent():
+        models.loss_of(backend.compile(first)(x)).backward()
+        models.loss_of(backend.compile(second)(x)).backward()
+    assert len(backend.registry.graphs) == 2
     models.loss_of(expected(x)).backward()
     ref.clip_global(expected, 1e-3)
     assert_grads_close(second, expected)

@@ -279,7 +279,8 @@ def shared_wrapper(forward):
 
 def test_a_model_past_the_recompile_limit_of_shared_code_is_named_with_the_cause():
     """A forward wrapper shared by many model classes (transformers has one) is one code object
-    to Dynamo: each class's forward recompiles it, and past recompile_limit it runs eagerly."""
+    to Dynamo: each class's forward recompiles it, and past recompile_limit it runs eagerly
+    (``backend.compile`` isolates each model's cache, tests/test_coverage.py)."""
 
     def model_class(index):
         def forward(self, x):
@@ -293,10 +294,11 @@ def test_a_model_past_the_recompile_limit_of_shared_code_is_named_with_the_cause
         model = model_class(index)()
         model.net = sequential()
         if index < limit:
-            train(model, backend.compile(model), steps=1)
+            train(model, torch.compile(model, backend=backend), steps=1)
             continue
-        with pytest.raises(fxgrad.CoverageError, match=f"(?s)no graph of Model{index} reached.*recompile_limit"):
-            train(model, backend.compile(model), steps=1)
+        cause = f"(?s)no graph of Model{index} reached.*recompile_limit.*isolate_recompiles=True"
+        with pytest.raises(fxgrad.CoverageError, match=cause):
+            train(model, torch.compile(model, backend=backend), steps=1)
 
 
 @pytest.mark.parametrize("scope", ["graph", "step"])

@@ -289,7 +289,14 @@ class Backend:
         through the compiled module (``model(x)`` called instead of the
         compiled module, or an eager method such as ``get_text_features``).
         Layer names are relative to ``model``.
+
+        The compiled module keeps its own Dynamo cache (``isolate_recompiles=True``
+        unless given): each backend compiles its own graphs, and without it every
+        backend compiling the same model class, or any ``nn.Sequential``, in one
+        process (a sweep, a test suite) counts against one shared
+        ``recompile_limit``, so the ninth would run eagerly.
         """
+        compile_kwargs.setdefault("isolate_recompiles", True)
         patches = _compat.inductor_config_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
         if patches and self.compiler != "inductor":
             raise ValueError(f"mode= and options= configure Inductor; this backend has compiler={self.compiler!r}")

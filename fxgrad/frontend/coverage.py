@@ -230,8 +230,10 @@ class CoverageCheck:
                 f"no graph of {type(model).__name__} reached the backend, so torch.compile ran it eagerly "
                 "(Dynamo runs a frame eagerly when it cannot trace it, and when the frame's code was "
                 "compiled torch._dynamo.config.recompile_limit times already, which code that many models "
-                "share reaches, e.g. a decorator's wrapper around forward as in transformers; Dynamo then "
-                "logs 'hit config.recompile_limit')"
+                "share reaches, e.g. a decorator's wrapper around forward as in transformers, or that "
+                "every compile of the same model class with another backend shares; Dynamo then logs 'hit "
+                "config.recompile_limit'. backend.compile(model) gives the compiled model its own cache, "
+                "as torch.compile(..., isolate_recompiles=True) does)"
             )
         else:
             why = (
