@@ -47,7 +47,7 @@ def test_ddp_local_with_several_buckets_keeps_the_layer_names(wrapper):
     launch(checks.ddp_local_buckets, wrapper)
 
 
-@pytest.mark.parametrize("wrapper", WRAPPERS)
+@pytest.mark.parametrize("wrapper", [*WRAPPERS, "torch.compile(DDP)"])
 def test_default_scope_is_exact_under_ddp(wrapper):
     launch(checks.auto_scope_is_exact, wrapper)
 

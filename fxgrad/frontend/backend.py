@@ -124,7 +124,8 @@ class Backend:
         self._factor_given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
         self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         if transform is not None:
-            self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update)
+            in_step = lambda: self.current_scope() == "step"  # noqa: E731
+            self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update, in_step)
             if scope == "step":
                 self._step.arm()
         on_update = any(leaf.apply_to == "update" for leaf in leaves)
@@ -341,6 +342,10 @@ class Backend:
         self.registry.roots.setdefault(id(model), Root(weakref.ref(model), ""))
         if self._step_check is not None:
             self._step_check.arm()
+        if self._step is not None and self.scope != "graph":
+            # Before any graph: in a data-parallel job step scope must run even if none ever comes
+            # (torch.compile(DDP(nn.Sequential)) leaves torch.nn's own forward eager).
+            self._step.arm()
 
     def check_policy_reaches(self, model: nn.Module) -> None:
         """Warn for each routing key, multiplier key or added skip entry that reaches no

@@ -174,9 +174,10 @@ class StepScope:
     ``models()`` lists ``(model, layer prefix)`` pairs; ``run(models, scaler, params)``
     applies the policy (``params``: the models' parameters, walked once per step).
     After :meth:`arm`, a global ``optimizer.step()`` pre-hook runs it for
-    optimizers that step these models' parameters, unless :meth:`apply`
-    already ran on the current gradients, then calls ``after(optimizer, args,
-    kwargs)`` (the optimizer fold hands its factor over there).
+    optimizers that step these models' parameters while ``active()`` (``scope="auto"``
+    is step scope only in a data-parallel job), unless :meth:`apply` already ran on the
+    current gradients, then calls ``after(optimizer, args, kwargs)`` (the optimizer
+    fold hands its factor over there).
     """
 
     def __init__(
@@ -185,8 +186,9 @@ class StepScope:
         run: Callable[[list, Any, list], None],
         scaler: Any,
         after: Callable[[torch.optim.Optimizer, tuple, dict], None],
+        active: Callable[[], bool],
     ) -> None:
-        self.models, self.run, self.scaler, self.after = models, run, scaler, after
+        self.models, self.run, self.scaler, self.after, self.active = models, run, scaler, after, active
         self._seen: dict[int, tuple[weakref.ref, int]] = {}
         self._armed = False
         self._walks: dict[tuple[int, ...], ModelParameters] = {}  # by the ids of the models walked
@@ -210,6 +212,8 @@ class StepScope:
         )
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self.active():
+            return
         models = self.models()
         if len(models) > 1:  # the models this optimizer steps: a GAN's generator, or its discriminator
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
