@@ -213,12 +213,41 @@ def test_parameter_walk_follows_every_change_to_a_model():
         yield lambda: delattr(model[0], "extra")  # a deleted parameter
         yield lambda: model[0]._parameters.__setitem__("bias", nn.Parameter(torch.ones(2)))  # replaced directly
         yield lambda: delattr(model, "1")  # a deleted submodule
+        yield lambda: model[0]._parameters.__setitem__("added", nn.Parameter(torch.ones(1)))  # added directly
 
     for change in changes():
         before = walk([model])
         change()
         after = walk([model])
         assert after is not before and after == tuple(model.parameters())
+
+
+class SlicedLayers(nn.Module):
+    """A forward that builds a module: slicing a ModuleList, as transformers' decoders do
+    (``for layer in self.layers[: self.config.num_hidden_layers]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_forward_that_builds_modules_is_not_recompiled_by_step_scope():
+    """Step scope keeps its parameter walk without a global module-registration hook, which
+    Dynamo would trace inside such a forward and guard on: a recompile on every step."""
+    model = SlicedLayers()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.1), compiler="aot_eager", scope="step")
+    compiled = backend.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _compat.dynamo_config().patch(error_on_recompile=True):
+        for _ in range(4):
+            compiled(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
 
 
 @pytest.mark.parametrize("compiler", COMPILERS)

@@ -18,7 +18,6 @@ import functools
 from typing import Iterable, NamedTuple, Sequence
 
 import torch.nn as nn
-from torch.nn.modules import module as nn_module
 
 from fxgrad.core import match
 
@@ -111,48 +110,40 @@ class ModelParameters:
     """The parameters of some models, each once: walked once, then checked cheaply on each call.
 
     Walking ``model.parameters()`` visits every module (0.5 ms for the benchmark's 97-module
-    MLP), and step scope needs the list on every optimizer step. The walk is kept while no
-    module in the process has registered a parameter or a submodule since (torch's global
-    registration hooks count them) and every parameter and submodule is still in the slot it
-    was found in (which catches ``del``, and conversions that replace parameters directly)::
+    MLP), and step scope needs the list on every optimizer step. The walk is kept while every
+    module's ``_parameters`` and ``_modules`` hold as many entries as they did, each still in
+    the slot it was found in (which catches a parameter or submodule added, deleted or
+    replaced). Nothing global is hooked: a global registration hook would run inside every
+    compiled forward that builds a module (transformers' ``self.layers[:n]``), and Dynamo
+    would guard on it and recompile on every step::
 
         walk = ModelParameters()
         params = walk([model])  # walks
-        params = walk([model])  # the same tuple, after about 200 identity checks
+        params = walk([model])  # the same tuple, after about 400 checks
     """
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._slots: list[tuple[dict, str, object]] = []  # (a module's _parameters or _modules, name, value)
+        self._key: tuple = ()
+        self._sizes: list[tuple[dict, int]] = []  # each module's _parameters and _modules, and its size
+        self._slots: list[tuple[dict, str, object]] = []  # (one of those dicts, name, value)
         self._params: tuple[nn.Parameter, ...] = ()
 
     def __call__(self, models: Sequence[nn.Module]) -> tuple[nn.Parameter, ...]:
-        key = tuple(id(model) for model in models), _registrations()
-        if key != self._key or any(slots.get(name) is not value for slots, name, value in self._slots):
-            self._key, self._slots, params = key, [], {}
+        key = tuple(id(model) for model in models)
+        if (
+            key != self._key
+            or any(len(slots) != size for slots, size in self._sizes)
+            or any(slots.get(name) is not value for slots, name, value in self._slots)
+        ):
+            self._key, self._sizes, self._slots, params = key, [], [], {}
             for model in models:
                 for module in model.modules():
-                    self._slots += [(module._modules, n, m) for n, m in module._modules.items()]
-                    self._slots += [(module._parameters, n, p) for n, p in module._parameters.items()]
+                    for slots in (module._modules, module._parameters):
+                        self._sizes.append((slots, len(slots)))
                     params.update((id(p), p) for p in module._parameters.values() if p is not None)
+            self._slots = [(slots, name, value) for slots, _ in self._sizes for name, value in slots.items()]
             self._params = tuple(params.values())
         return self._params
-
-
-_registration_count = [-1]  # -1: the hooks are not registered yet
-
-
-def _registrations() -> int:
-    """How many parameters and submodules have been registered on any module (since the first call)."""
-    if _registration_count[0] < 0:
-        _registration_count[0] = 0
-
-        def count(*args: object) -> None:
-            _registration_count[0] += 1
-
-        nn_module.register_module_parameter_registration_hook(count)
-        nn_module.register_module_module_registration_hook(count)
-    return _registration_count[0]
 
 
 def _join(prefix: str, name: str) -> str:
