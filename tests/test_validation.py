@@ -152,3 +152,32 @@ def test_inductor_settings_with_aot_eager_are_refused(kwargs, error, argument):
 def test_unknown_inductor_settings_are_refused(kwargs, argument):
     with pytest.raises(ValueError, match=rf"\b{argument}\b"):
         fxgrad.backend(fxgrad.clip_by_norm(1.0)).compile(nn.Linear(2, 2), **kwargs)
+
+
+class FakeFSDP1(nn.Module):
+    """Stands in for FSDP1's FullyShardedDataParallel, which needs an accelerator to build."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+
+@pytest.mark.parametrize("how", ["backend.compile", "torch.compile", "step"])
+def test_fsdp1_is_refused_naming_the_wrapped_module(monkeypatch, how):
+    """FSDP1 flattens the parameters it wraps: fxgrad sees no layers there, and refuses the
+    model where it first meets it instead of applying the policy to flat shards."""
+    import torch.distributed.fsdp
+
+    monkeypatch.setattr(torch.distributed.fsdp, "FullyShardedDataParallel", FakeFSDP1)
+    model = nn.Sequential(nn.Linear(2, 2), FakeFSDP1(nn.Linear(2, 2)))
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="step")
+    with pytest.raises(TypeError, match=r"model: Sequential holds FSDP1.*'1'.*fully_shard"):
+        if how == "backend.compile":
+            backend.compile(model)
+        elif how == "torch.compile":
+            torch.compile(model, backend=backend)
+        else:
+            backend.step(model)

@@ -32,7 +32,7 @@ from fxgrad import _compat, passes
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry, validate_skip
 from fxgrad.core.rule import Transform
 from fxgrad.frontend import fold as folding
-from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_misses
+from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_misses, refuse_flat_parameters
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
@@ -334,6 +334,7 @@ class Backend:
 
     def _adopt(self, model: nn.Module) -> None:
         """``model`` is compiled with this backend: learn its names, check the policy reaches it."""
+        refuse_flat_parameters(model)
         hand_over(model, self)
         if any(ref() is model for ref in self._models):
             return
@@ -430,6 +431,7 @@ class Backend:
         if self._step is None:
             return
         if model is not None and all(ref() is not model for ref in self._models):
+            refuse_flat_parameters(model)
             self._models.append(weakref.ref(model))  # later optimizer steps find it too
         models = [(model, "")] if model is not None else self._step_models()
         if not models:

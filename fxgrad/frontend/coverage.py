@@ -16,6 +16,8 @@ import dataclasses
 import warnings
 from typing import Callable, Sequence
 
+import torch
+import torch.distributed
 import torch.nn as nn
 
 from fxgrad import _compat
@@ -99,6 +101,24 @@ def find_gaps(
         if unreached:
             gaps.append(Gap(route, "is not applied to", unreached, False))
     return gaps
+
+
+def refuse_flat_parameters(model: nn.Module) -> None:
+    """Raise ``TypeError`` if ``model`` holds an FSDP1 ``FullyShardedDataParallel``: it flattens
+    the parameters of each module it wraps into one, so no layer is left for the policy, and
+    each rank's ``.grad`` is a shard whose norms nothing all-reduces. FSDP2's ``fully_shard``
+    keeps the parameters (docs/distributed.md)."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = next((name for name, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)), None)
+    if wrapped is not None:
+        raise TypeError(
+            f"model: {type(model).__name__} holds FSDP1's FullyShardedDataParallel (at {wrapped or 'the root'!r}), "
+            "which flattens each wrapped module's parameters into one; fxgrad sees no layers there. Shard with "
+            "FSDP2 instead: torch.distributed.fsdp.fully_shard"
+        )
 
 
 def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model: nn.Module) -> list[str]:
