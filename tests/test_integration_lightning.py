@@ -1,6 +1,7 @@
 """FxgradCallback in a real Lightning Trainer: parity with Lightning's own clipping, logging, conflicts."""
 
 import csv
+import types
 import warnings
 
 import pytest
@@ -144,6 +145,17 @@ def test_configure_gradient_clipping_override_is_refused():
     trainer.callbacks.append(callback)
     with pytest.raises(ValueError, match="Clipping.configure_gradient_clipping overrides"):
         callback.setup(trainer, Clipping(), "fit")
+
+
+@pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])
+def test_flat_parameter_strategies_are_refused(strategy):
+    """FSDP1 and DeepSpeed need an accelerator (and DeepSpeed) to build: a Trainer stand-in holds
+    an unbuilt instance of the strategy."""
+    cls = getattr(pl.strategies, strategy)
+    trainer = types.SimpleNamespace(strategy=object.__new__(cls))
+    callback = FxgradCallback(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
+    with pytest.raises(ValueError, match=rf"Trainer\(strategy={strategy}\) flattens the parameters"):
+        callback.setup(trainer, Regressor(), "fit")
 
 
 def test_bad_arguments_raise_at_construction():

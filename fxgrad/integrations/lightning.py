@@ -55,7 +55,8 @@ class FxgradCallback(pl.Callback):
 
     At ``Trainer.fit`` it raises ``ValueError`` for ``Trainer(gradient_clip_val=...)`` or a
     ``configure_gradient_clipping`` override (they would clip again after the policy), for more than one
-    optimizer, and under a GradScaler (``"16-mixed"`` on CUDA) for rules that hide Inf/NaN from it.
+    optimizer, under a GradScaler (``"16-mixed"`` on CUDA) for rules that hide Inf/NaN from it, and for
+    the FSDP1 and DeepSpeed strategies (flat parameter shards).
     """
 
     def __init__(
@@ -84,6 +85,12 @@ class FxgradCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if isinstance(trainer.strategy, (pl.strategies.FSDPStrategy, pl.strategies.DeepSpeedStrategy)):
+            raise ValueError(
+                f"Trainer(strategy={type(trainer.strategy).__name__}) flattens the parameters into shards "
+                "(FSDP1, DeepSpeed ZeRO): FxgradCallback would see no layers, and norms of each rank's shard "
+                "only; use strategy='ddp', or FSDP2 (ModelParallelStrategy)"
+            )
         if trainer.gradient_clip_val:  # None and 0 turn Lightning's clipping off
             raise ValueError(
                 f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip the gradients again after "
