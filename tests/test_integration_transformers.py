@@ -72,6 +72,12 @@ def test_conflicting_arguments_raise(tmp_path):
         prepare(_gpt2(), policy, _args(tmp_path, max_grad_norm=0.5), compiler="aot_eager")
     with pytest.raises(ValueError, match=r"TrainingArguments\(gradient_accumulation_steps=2\)"):
         prepare(_gpt2(), policy, _args(tmp_path, gradient_accumulation_steps=2), scope="graph", compiler="aot_eager")
+    with pytest.raises(ValueError, match=r"TrainingArguments\(fsdp=.*\) shards the parameters"):
+        prepare(_gpt2(), policy, _args(tmp_path, fsdp=True), compiler="aot_eager")
+    zero = _args(tmp_path)
+    zero.deepspeed = "ds_config.json"  # TrainingArguments(deepspeed=...) needs DeepSpeed installed
+    with pytest.raises(ValueError, match=r"TrainingArguments\(deepspeed='ds_config.json'\) partitions"):
+        prepare(_gpt2(), policy, zero, compiler="aot_eager")
     with pytest.raises(TypeError, match="policy must be an fxgrad transform"):
         prepare(_gpt2(), "clip_by_global_norm")
     # without args, the callback checks the Trainer's when the Trainer is built

@@ -75,6 +75,17 @@ class FxgradTrainerCallback(TrainerCallback):
                 "compiles the model a second time, with a backend other than fxgrad's: leave torch_compile, "
                 "torch_compile_backend and torch_compile_mode unset (prepare() compiled the model)",
             ),
+            "fsdp": (
+                bool(args.fsdp),
+                "shards the parameters through accelerate, and prepare() compiled the unsharded model: fxgrad "
+                "would see one rank's shards, unreduced (FSDP1 flattens them too); train with DDP, or shard with "
+                "FSDP2's fully_shard in your own loop (docs/distributed.md)",
+            ),
+            "deepspeed": (
+                args.deepspeed is not None,
+                "partitions the gradients (ZeRO) and clips them itself, where fxgrad sees no layers; train with "
+                "DDP, or leave the gradient policy to DeepSpeed",
+            ),
             "remove_unused_columns": (
                 args.remove_unused_columns,
                 "drops every input: the compiled model's forward takes (*args, **kwargs); set it to False and "
