@@ -480,6 +480,14 @@ def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     return scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.READY
 
 
+def module_path(name: str) -> str:
+    """A ``named_modules()`` name without the ``_orig_mod`` step of each submodule wrapped by
+    ``torch.compile`` (``layers.0._orig_mod.attn`` -> ``layers.0.attn``, as in the eager model)."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def tensor_version(tensor: torch.Tensor) -> int:
     """The in-place modification counter of ``tensor`` (bumped by ``add_``, ``copy_``, ...)."""
     return tensor._version

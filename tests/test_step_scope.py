@@ -271,3 +271,59 @@ def test_each_optimizer_step_applies_the_policy_to_the_models_it_steps(compile_w
     for actual, expected in ((generator, eager_g), (discriminator, eager_d)):
         for a, b in zip(actual.parameters(), expected.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+class Blocks(nn.Module):
+    """An embedding, repeated blocks and a head: torchtitan compiles each block alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.layers = nn.ModuleDict({str(i): models.Block(16, 2) for i in range(3)})
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.layers.values():
+            x = block(x)
+        return self.head(x)
+
+
+def compile_each_block(model, backend):
+    for name, block in list(model.layers.items()):
+        model.layers[name] = torch.compile(block, backend=backend)
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_blocks_compiled_one_by_one_are_refused_for_a_global_policy(scope):
+    """Each block is a model of its own to the backend: a global norm over them would leave the
+    embedding and the head out, and in step scope the blocks' layers would merge by name."""
+    model = Blocks()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope=scope)
+    compile_each_block(model, backend)
+    model(torch.randn(4, 5, 8)).sum().backward()
+    cause = "belong to no model compiled" if scope == "graph" else "two modules both named"
+    with pytest.raises(fxgrad.CoverageError, match=cause):
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+
+
+def test_blocks_compiled_one_by_one_are_exact_once_step_scope_knows_the_model():
+    """``backend.step(model)`` once: the policy covers the whole model, every layer named as in the
+    eager model (no ``_orig_mod``), so name patterns route as written."""
+    model = Blocks()
+    eager = copy.deepcopy(model)
+    policy = fxgrad.chain(fxgrad.by_name({"layers.1.*": fxgrad.clip_by_norm(1e-3)}), fxgrad.clip_by_global_norm(1e-3))
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope="step")
+    compile_each_block(model, backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(4, 5, 8)
+    for step in range(2):
+        model.zero_grad()
+        model(x).sum().backward()
+        if step == 0:
+            backend.step(model)
+        optimizer.step()
+    eager(x).sum().backward()
+    ref.clip_per_layer(eager, 1e-3, select=lambda name, module: name.startswith("layers.1."))
+    ref.clip_global(eager, 1e-3)
+    assert_grads_close(model, eager)

@@ -19,6 +19,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch.nn as nn
 
+from fxgrad import _compat
 from fxgrad.core import match
 
 SkipEntry = match.Key
@@ -99,7 +100,7 @@ def parameter_owners(model: nn.Module, prefix: str = "") -> dict[int, Owner]:
     """
     owners: dict[int, Owner] = {}
     for module_name, module in model.named_modules():
-        path = _join(prefix, module_name)
+        path = _join(prefix, _compat.module_path(module_name))  # a submodule compiled alone keeps its name
         for local_name, param in module._parameters.items():
             if param is not None and id(param) not in owners:
                 owners[id(param)] = Owner(path or ROOT_LAYER, _join(path, local_name), module, param)

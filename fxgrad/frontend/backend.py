@@ -36,7 +36,7 @@ from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_miss
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
-from fxgrad.frontend.step_check import StepCheck, hand_over
+from fxgrad.frontend.step_check import StepCheck, hand_over, report_outside
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
@@ -116,6 +116,7 @@ class Backend:
                 self._before_update,
             )
         self._step = None  # runs the policy on .grad in step scope
+        self._nesting: tuple[list[weakref.ref], list[int]] = ([], [])  # see _step_models
         self._policy_runs = PolicyRuns()  # ... and tells when a loop never lets it run
         self._programs = StepPrograms(compiler)  # ... as compiled programs, by gradient layout
         # see fold(): the folded optimizers, each with the backward count at its last step
@@ -510,6 +511,8 @@ class Backend:
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
                 warnings.warn(why, CoverageWarning, stacklevel=4)
+            if self.current_scope() == "step":  # graph scope: the step check reports them
+                report_outside(self.transform, self.strict, optimizer, [model for model, _ in self._step_models()])
         if self._summed:
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             for probe, message in list(self._summed.items()):
@@ -579,14 +582,26 @@ class Backend:
             self._update_factors.before_step(optimizer, models)
 
     def _step_models(self) -> list[tuple[nn.Module, str]]:
-        """The models step scope covers: those given to :meth:`compile`, then the roots of the
-        compiled graphs (a model compiled with ``backend.compile`` is both; it counts once)."""
+        """The models step scope covers: those given to :meth:`compile` or :meth:`step`, then the
+        roots of the compiled graphs (a model compiled with ``backend.compile`` is both; it counts
+        once), each model that holds another of them first, so its names win for the parameters
+        both hold: torchtitan compiles each block alone, and ``backend.step(model)`` then names
+        the blocks' layers as in the whole model."""
         models = {id(model): (model, "") for model in (ref() for ref in self._models) if model is not None}
         for root in self.registry.roots.values():
             model = root.module()
             if model is not None:
                 models.setdefault(id(model), (model, root.prefix))
-        return list(models.values())
+        pairs = list(models.values())
+        if len(pairs) < 2:
+            return pairs
+        refs, order = self._nesting
+        if len(refs) != len(pairs) or any(ref() is not model for ref, (model, _) in zip(refs, pairs)):
+            inside = [{id(m) for m in model.modules()} for model, _ in pairs]
+            held = [sum(id(other) in ids for other, _ in pairs) for ids in inside]  # itself included
+            order = sorted(range(len(pairs)), key=lambda i: -held[i])
+            self._nesting = [weakref.ref(model) for model, _ in pairs], order
+        return [pairs[i] for i in order]
 
     def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list | None = None) -> None:
         self._policy_runs.ran()

@@ -48,7 +48,7 @@ from fxgrad.core.layers import (
     parameter_owners,
 )
 from fxgrad.core.rule import Route, Transform
-from fxgrad.frontend.coverage import CoverageWarning
+from fxgrad.frontend.coverage import CoverageError, CoverageWarning
 from fxgrad.frontend.step_check import optimizer_pre_hook
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.runtime.executor import run_policy
@@ -58,11 +58,18 @@ from fxgrad.runtime.state import StateStore
 def step_routes(
     transform: Transform, models: Sequence[tuple[nn.Module, str]], skip: Sequence[SkipEntry], order: Sequence[str] = ()
 ) -> tuple[list[Owner], list[tuple[int, Route]]]:
-    """The parameters that have a gradient, and the transform's non-empty routes over them."""
+    """The parameters that have a gradient, and the transform's non-empty routes over them.
+
+    Raises :class:`~fxgrad.CoverageError` when two models name different modules alike: their
+    layers would merge into one."""
     owners: dict[int, Owner] = {}
     for model, prefix in models:
         for key, owner in parameter_owners(model, prefix).items():
             owners.setdefault(key, owner)  # a parameter reachable from two models counts once
+    named: dict[str, nn.Module] = {}
+    for owner in owners.values():
+        if named.setdefault(owner.layer, owner.module) is not owner.module:
+            raise CoverageError(SAME_NAMES.format(layer=owner.layer, kind=type(owner.module).__name__))
     with_grad = [o for o in owners.values() if o.tensor.grad is not None]
     rows = [ParamRow(o.layer, o.param, type(o.module), o.tensor.numel()) for o in with_grad]
     layers = build_layers(rows, order or list(dict.fromkeys(o.layer for o in owners.values())), skip)
@@ -110,6 +117,14 @@ def apply_to_grads(
                 if grad is not param.grad:
                     param.grad.copy_(grad)
 
+
+SAME_NAMES = (
+    "fxgrad: step scope met two modules both named {layer!r} ({kind}), each in a model of its own that "
+    "the backend compiled: their layers would merge into one. This happens when submodules are compiled "
+    "one by one (torchtitan compiles each block alone): tell the backend the whole model once, "
+    "backend.step(model) after the first backward, and it names every layer from there (optimizer.step() "
+    "then finds it), or compile the whole model"
+)
 
 Models = Callable[[], list[tuple[nn.Module, str]]]
 
