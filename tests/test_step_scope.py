@@ -327,3 +327,28 @@ def test_blocks_compiled_one_by_one_are_exact_once_step_scope_knows_the_model():
     ref.clip_per_layer(eager, 1e-3, select=lambda name, module: name.startswith("layers.1."))
     ref.clip_global(eager, 1e-3)
     assert_grads_close(model, eager)
+
+
+def test_a_submodule_compiled_inside_the_model_keeps_its_eager_layer_names():
+    """A module that compiles a submodule itself (``self.net = torch.compile(net)``, common in
+    Lightning's ``configure_model``): layers are named as in the eager model, without
+    torch.compile's ``_orig_mod``, so an exact name routes."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.compile(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), backend="aot_eager")
+
+        def forward(self, x):
+            return self.net(x)
+
+    model = Wrapper()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.by_name({"net.0": fxgrad.clip_by_norm(1e-3)}), compiler="aot_eager", scope="step")
+    x = torch.randn(4, 4)
+    model(x).sum().backward()
+    with coverage_silent():
+        backend.step(model)
+    eager(x).sum().backward()
+    torch.nn.utils.clip_grad_norm_(eager.net._orig_mod[0].parameters(), 1e-3)
+    assert_grads_close(model, eager)
