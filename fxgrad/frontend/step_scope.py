@@ -120,10 +120,11 @@ def apply_to_grads(
 
 SAME_NAMES = (
     "fxgrad: step scope met two modules both named {layer!r} ({kind}), each in a model of its own that "
-    "the backend compiled: their layers would merge into one. This happens when submodules are compiled "
-    "one by one (torchtitan compiles each block alone): tell the backend the whole model once, "
-    "backend.step(model) after the first backward, and it names every layer from there (optimizer.step() "
-    "then finds it), or compile the whole model"
+    "the backend compiled: their layers would merge into one. Separate models (a GAN's generator and "
+    "discriminator): apply the policy to each on its own, backend.step(model), or let each one's optimizer "
+    "step run it. Submodules compiled one by one (torchtitan compiles each block alone): tell the backend "
+    "the whole model once, backend.step(model) after the first backward, and it names every layer from "
+    "there; or compile the whole model"
 )
 
 Models = Callable[[], list[tuple[nn.Module, str]]]
