@@ -302,7 +302,7 @@ def test_blocks_compiled_one_by_one_are_refused_for_a_global_policy(scope):
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope=scope)
     compile_each_block(model, backend)
     model(torch.randn(4, 5, 8)).sum().backward()
-    cause = "belong to no model compiled" if scope == "graph" else "two modules both named"
+    cause = "belong to none of the models this backend compiled" if scope == "graph" else "two modules both named"
     with pytest.raises(fxgrad.CoverageError, match=cause):
         torch.optim.SGD(model.parameters(), lr=0.0).step()
 

@@ -67,8 +67,8 @@ STEP_SCOPE = (
 )
 
 OUTSIDE = (
-    "fxgrad: optimizer.step() steps {count} parameters with a gradient (shapes {shapes}) that belong to no "
-    "model compiled with an fxgrad backend, and the policy {transform!r} reduces across layers: its norms "
+    "fxgrad: optimizer.step() steps {count} parameters with a gradient (shapes {shapes}) that belong to none "
+    "of the models this backend compiled, and the policy {transform!r} reduces across layers: its norms "
     "leave them out. This happens when submodules are compiled one by one (torchtitan compiles each block "
     "alone) or part of the model runs outside the compiled module. Compile the whole model; or, with "
     "scope='step', tell the backend the whole model once, backend.step(model) after the first backward."
