@@ -285,6 +285,45 @@ def test_a_folded_optimizer_the_policy_never_reaches_is_reported(scope):
             optimizer.zero_grad()
 
 
+@pytest.mark.parametrize("scope", SCOPES)
+def test_two_optimizers_over_one_model_fold_both_or_are_refused(scope):
+    """Weights and biases under two fused AdamW: folding both equals the unfolded path; folding
+    one alone would leave the other's gradients without the factor, so its step is refused."""
+
+    def split(model):
+        weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+        biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+        return [torch.optim.AdamW(ps, lr=1e-2, fused=True) for ps in (weights, biases)]
+
+    def run(model, optimizers, backend=None):
+        compiled = torch.compile(model, backend=backend) if backend is not None else model
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(5):
+            (compiled(torch.randn(16, 8, generator=gen)).pow(2).mean() * 30.0).backward()
+            if backend is None:
+                ref.clip_global(model, 1e-2)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    model, expected = mlp(), mlp()
+    expected.load_state_dict(model.state_dict())
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager", scope=scope)
+    optimizers = split(model)
+    for optimizer in optimizers:
+        backend.fold(optimizer)
+    run(model, optimizers, backend)
+    run(expected, split(expected))
+    assert_same_weights(model, expected)
+
+    model = mlp()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager", scope=scope)
+    optimizers = split(model)
+    backend.fold(optimizers[0])
+    with pytest.raises(ValueError, match="is not folded while 1 other optimizer"):
+        run(model, optimizers, backend)
+
+
 def test_explain_says_the_gradients_are_folded():
     model = mlp()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")

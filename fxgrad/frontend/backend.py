@@ -124,6 +124,7 @@ class Backend:
         self._cancel_checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._factor_given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
         self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._fold_cover: tuple[tuple, frozenset] = ((), frozenset())  # a walk, its parameters' ids
         if transform is not None:
             in_step = lambda: self.current_scope() == "step"  # noqa: E731
             self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update, in_step)
@@ -459,7 +460,9 @@ class Backend:
         cannot hold; accumulation and graph breaks need ``scope="step"``).
 
         Other combinations keep the scaling pass, after one ``RuntimeWarning`` saying
-        why; an optimizer other than those three raises. See :mod:`fxgrad.frontend.fold`.
+        why; an optimizer other than those three raises. Several optimizers over one model
+        (weights and biases apart, say) must all be folded: the step of one that is not
+        raises ``ValueError``. See :mod:`fxgrad.frontend.fold`.
 
             >>> import torch, fxgrad
             >>> model = torch.nn.Linear(4, 4)
@@ -520,6 +523,8 @@ class Backend:
                     del self._summed[probe]
                     self._coverage.warn(message)
         folded = optimizer in self._folded
+        if self._folded and not folded:
+            self._check_unfolded_step(optimizer)
         if folded:
             self._check_folded_step(optimizer, args, kwargs)  # first: a refused step keeps no weight copy
         if self._update_factors is not None:
@@ -544,6 +549,23 @@ class Backend:
             CoverageWarning,
             stacklevel=3,
         )
+
+    def _check_unfolded_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse the step of an optimizer that is not folded while another is: it would apply the
+        gradients of this backend's models without the global factor the policy left to the folded
+        updates (two optimizers over one model, one of them folded)."""
+        params = self._step.parameters(self._step_models())
+        if self._fold_cover[0] is not params:
+            self._fold_cover = params, frozenset(map(id, params))
+        ours = self._fold_cover[1]
+        stepped = [p for group in optimizer.param_groups for p in group["params"] if id(p) in ours]
+        if any(p.grad is not None for p in stepped):
+            raise ValueError(
+                f"fold: {type(optimizer).__name__} steps parameters of the models of this backend, and is not "
+                f"folded while {len(self._folded)} other optimizer(s) are: the policy {self.transform!r} left "
+                "its global factor to the folded updates, so this one would apply unscaled gradients. Fold "
+                "every optimizer that steps the model (backend.fold(optimizer) for each), or none."
+            )
 
     def _check_folded_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Refuse a step of a folded optimizer whose gradients the folded factor does not describe."""
