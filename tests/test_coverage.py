@@ -239,7 +239,7 @@ def test_forward_run_eagerly_after_the_recompile_limit_is_reported():
             compiled(torch.randn(5, 8))  # inference: no policy to miss
 
 
-def sweep(compile_, trials, reference=False):
+def sweep(compile_, trials):
     """``trials`` models of one class, each compiled by its own backend in one process (a
     hyperparameter sweep), each stepped once; yields each trial's model and eager copy."""
     for _ in range(trials):
