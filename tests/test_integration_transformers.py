@@ -72,6 +72,10 @@ def test_conflicting_arguments_raise(tmp_path):
         prepare(_gpt2(), policy, _args(tmp_path, max_grad_norm=0.5), compiler="aot_eager")
     with pytest.raises(ValueError, match=r"TrainingArguments\(gradient_accumulation_steps=2\)"):
         prepare(_gpt2(), policy, _args(tmp_path, gradient_accumulation_steps=2), scope="graph", compiler="aot_eager")
+    with pytest.raises(ValueError, match=r"TrainingArguments\(gradient_checkpointing=True\) breaks the graph"):
+        prepare(_gpt2(), policy, _args(tmp_path, gradient_checkpointing=True), scope="graph", compiler="aot_eager")
+    _, picked = prepare(_gpt2(), policy, _args(tmp_path, gradient_checkpointing=True), compiler="aot_eager")
+    assert picked.backend.current_scope() == "step"
     with pytest.raises(ValueError, match=r"TrainingArguments\(fsdp=.*\) shards the parameters"):
         prepare(_gpt2(), policy, _args(tmp_path, fsdp=True), compiler="aot_eager")
     zero = _args(tmp_path)

@@ -98,6 +98,12 @@ class FxgradTrainerCallback(TrainerCallback):
                 "sums several backwards, and scope='graph' transforms each one: use scope='step' (prepare(..., "
                 "args) picks it)",
             )
+            across = any(leaf.reach == "group" for leaf in self.backend.transform.leaves())
+            conflicts["gradient_checkpointing"] = (
+                args.gradient_checkpointing and across,
+                "breaks the graph at each checkpointed layer, and a cross-layer rule in scope='graph' would see "
+                "one layer at a time: use scope='step' (prepare(..., args) picks it)",
+            )
             conflicts["fp16"] = (
                 args.fp16,
                 "scales the loss with accelerate's GradScaler, which scope='graph' cannot read: use scope='step' "
@@ -139,8 +145,9 @@ def prepare(
 
     With ``args``, it sets what the compiled model needs: ``max_grad_norm=0`` when it has its default
     (1.0; the policy replaces the Trainer's clipping) and ``remove_unused_columns=False``; and with
-    ``scope="auto"`` it picks ``scope="step"`` when ``gradient_accumulation_steps > 1`` or ``fp16`` (then the
-    policy runs once per optimizer step on the accumulated, unscaled gradient), else the in-graph scope.
+    ``scope="auto"`` it picks ``scope="step"`` when ``gradient_accumulation_steps > 1``, ``fp16`` or
+    ``gradient_checkpointing`` (then the policy runs once per optimizer step on the accumulated, unscaled
+    gradient, whatever graph breaks checkpointing makes), else the in-graph scope.
     A setting it cannot reconcile (another ``max_grad_norm``, ``torch_compile=True``, ``scope="graph"``
     with accumulation or ``fp16``) raises ``ValueError`` naming it, here or when the Trainer is built.
 
@@ -152,7 +159,7 @@ def prepare(
     if args is not None:
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
-        if scope == "auto" and (args.gradient_accumulation_steps > 1 or args.fp16):
+        if scope == "auto" and (args.gradient_accumulation_steps > 1 or args.fp16 or args.gradient_checkpointing):
             scope = "step"
         if args.max_grad_norm == _default(args, "max_grad_norm"):
             args.max_grad_norm = 0.0
