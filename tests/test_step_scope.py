@@ -1,6 +1,7 @@
 """scope="step": the policy on .grad once per optimizer step (accumulation, graph breaks)."""
 
 import copy
+import warnings
 
 import models
 import pytest
@@ -295,16 +296,21 @@ def compile_each_block(model, backend):
 
 
 @pytest.mark.parametrize("scope", ["graph", "step"])
-def test_blocks_compiled_one_by_one_are_refused_for_a_global_policy(scope):
-    """Each block is a model of its own to the backend: a global norm over them would leave the
-    embedding and the head out, and in step scope the blocks' layers would merge by name."""
+def test_blocks_compiled_one_by_one_are_reported_for_a_global_policy(scope):
+    """Each block is a model of its own to the backend: in step scope the blocks' layers would
+    merge by name (refused); in graph scope a global norm leaves the embedding and the head out
+    (a warning: weights stepped beside the model may be left out on purpose)."""
     model = Blocks()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope=scope)
     compile_each_block(model, backend)
     model(torch.randn(4, 5, 8)).sum().backward()
-    cause = "belong to none of the models this backend compiled" if scope == "graph" else "two modules both named"
-    with pytest.raises(fxgrad.CoverageError, match=cause):
-        torch.optim.SGD(model.parameters(), lr=0.0).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    if scope == "step":
+        with pytest.raises(fxgrad.CoverageError, match="two modules both named"):
+            optimizer.step()
+        return
+    with pytest.warns(fxgrad.CoverageWarning, match=r"steps 4 parameters .* belong to none of the models"):
+        optimizer.step()
 
 
 def test_blocks_compiled_one_by_one_are_exact_once_step_scope_knows_the_model():
@@ -352,3 +358,23 @@ def test_a_submodule_compiled_inside_the_model_keeps_its_eager_layer_names():
     eager(x).sum().backward()
     torch.nn.utils.clip_grad_norm_(eager.net._orig_mod[0].parameters(), 1e-3)
     assert_grads_close(model, eager)
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_weights_stepped_beside_the_model_are_warned_about_not_refused(scope):
+    """A task weight the optimizer steps beside the model (uncertainty weighting): a global clip
+    leaves it out, as clip_grad_norm_(model.parameters()) does, and says so once."""
+    for policy, says in ((fxgrad.clip_by_global_norm(1e-3), True), (fxgrad.clip_by_norm(1e-3), False)):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        log_var = nn.Parameter(torch.zeros(()))
+        backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
+        compiled = backend.compile(model)
+        optimizer = torch.optim.SGD([*model.parameters(), log_var], lr=0.0)
+        for step in range(2):
+            optimizer.zero_grad()
+            (compiled(torch.randn(4, 8)).pow(2).mean() * log_var.exp() + log_var).backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                optimizer.step()
+            told = [w for w in caught if "belong to none of the models" in str(w.message)]
+            assert len(told) == (1 if says and step == 0 else 0)

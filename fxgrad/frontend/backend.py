@@ -515,7 +515,7 @@ class Backend:
             if why is not None:
                 warnings.warn(why, CoverageWarning, stacklevel=4)
             if self.current_scope() == "step":  # graph scope: the step check reports them
-                report_outside(self.transform, self.strict, optimizer, [model for model, _ in self._step_models()])
+                report_outside(optimizer, self.transform, [model for model, _ in self._step_models()])
         if self._summed:
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             for probe, message in list(self._summed.items()):

@@ -43,7 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from fxgrad import _compat
 from fxgrad.core.layers import build_layers, model_rows, parameter_owners
 from fxgrad.core.rule import Transform
-from fxgrad.frontend.coverage import CoverageCheck, CoverageError, CoverageWarning, rnn_hint
+from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, rnn_hint
 from fxgrad.frontend.graphs import GraphRegistry
 
 _NEWEST: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
@@ -69,31 +69,28 @@ STEP_SCOPE = (
 OUTSIDE = (
     "fxgrad: optimizer.step() steps {count} parameters with a gradient (shapes {shapes}) that belong to none "
     "of the models this backend compiled, and the policy {transform!r} reduces across layers: its norms "
-    "leave them out. This happens when submodules are compiled one by one (torchtitan compiles each block "
-    "alone) or part of the model runs outside the compiled module. Compile the whole model; or, with "
-    "scope='step', tell the backend the whole model once, backend.step(model) after the first backward."
+    "leave them out. If they belong to the model (submodules compiled one by one, as torchtitan compiles "
+    "each block alone, or part of the model run outside the compiled module), compile the whole model, or "
+    "with scope='step' tell the backend the whole model once: backend.step(model) after the first backward."
 )
 
 
-def report_outside(
-    transform: Transform, strict: bool, optimizer: torch.optim.Optimizer, models: Sequence[nn.Module]
-) -> None:
-    """Report the parameters ``optimizer`` steps with a gradient that are in none of ``models``
-    nor in any model an fxgrad backend compiled, when ``transform`` reduces across layers (its
-    global norm would leave them out): :class:`CoverageError` when ``strict``, else a warning.
-    Per-layer rules do not target them: nothing to say then."""
+def report_outside(optimizer: torch.optim.Optimizer, transform: Transform, models: Sequence[nn.Module]) -> None:
+    """Warn about the parameters ``optimizer`` steps with a gradient that are in none of ``models``
+    nor in any model an fxgrad backend compiled, when ``transform`` reduces across layers: its
+    global norm leaves them out. A warning, not an error: a loss module's weights or a task
+    weight stepped beside the model may be left out on purpose, as ``clip_grad_norm_(
+    model.parameters())`` leaves them. Per-layer rules do not target them: nothing to say then."""
     if not any(leaf.reach == "group" for leaf in transform.leaves()):
         return
     known = {id(p) for model in [*_NEWEST.keys(), *models] for p in model.parameters()}
     outside = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     outside = [p for p in outside if id(p) not in known]
-    if not outside:
-        return
-    shapes = ", ".join(str(tuple(p.shape)) for p in outside[:4]) + (", ..." if len(outside) > 4 else "")
-    message = OUTSIDE.format(count=len(outside), shapes=shapes, transform=transform)
-    if strict:
-        raise CoverageError(message)
-    warnings.warn(message, CoverageWarning, stacklevel=5)
+    if outside:
+        shapes = ", ".join(str(tuple(p.shape)) for p in outside[:4]) + (", ..." if len(outside) > 4 else "")
+        warnings.warn(
+            OUTSIDE.format(count=len(outside), shapes=shapes, transform=transform), CoverageWarning, stacklevel=5
+        )
 
 
 def hand_over(model: nn.Module, owner: Any) -> None:
@@ -227,7 +224,7 @@ class StepCheck:
             seen.unheld = frozenset(unheld)
             self._unheld(seen.unheld)
             if probe is not None:  # this optimizer steps this backend's models
-                report_outside(self.coverage.transform, self.coverage.strict, optimizer, self.models())
+                report_outside(optimizer, self.coverage.transform, self.models())
         backwards = self.backwards()
         if probe is not None and self._counting:
             version = _compat.tensor_version(probe.grad)
