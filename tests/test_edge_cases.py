@@ -377,3 +377,20 @@ def test_recording_leaves_the_garbage_collector_as_it_was(frozen, scope):
         assert (0 < gc.get_freeze_count() <= count) if frozen else gc.get_freeze_count() == 0  # some were freed
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_lazy_modules_compile_and_clip_like_eager(scope, compile_with):
+    """``nn.LazyLinear`` has no parameter data until its first forward, which Dynamo runs:
+    compiling must not read it before (plain torch.compile does not)."""
+    model = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(2))
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope=scope)
+    compiled = compile_with(backend, model)
+    x = torch.randn(4, 8)
+    compiled(x).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    eager = copy.deepcopy(model)
+    eager.zero_grad()
+    eager(x).sum().backward()
+    ref.clip_global(eager, 1e-3)
+    assert_grads_close(model, eager)

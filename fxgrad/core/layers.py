@@ -6,6 +6,7 @@ module that owns it in ``model.named_modules()`` order, so tied weights (GPT-2's
 ``wte``/``lm_head``) belong to exactly one layer.
 
     >>> import torch.nn as nn
+from torch.nn.parameter import is_lazy
     >>> owners = parameter_owners(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))
     >>> sorted(owner.layer for owner in owners.values())
     ['0', '0', '1', '1']
@@ -18,6 +19,7 @@ import functools
 from typing import Iterable, NamedTuple, Sequence
 
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 
 from fxgrad import _compat
 from fxgrad.core import match
@@ -204,9 +206,11 @@ def build_layers(rows: Iterable[ParamRow], order: Sequence[str], skip: Sequence[
 
 
 def model_rows(model: nn.Module, prefix: str) -> tuple[list[ParamRow], list[ParamRow]]:
-    """``(trainable, frozen)`` parameter rows of a model, in ``named_modules`` order."""
+    """``(trainable, frozen)`` parameter rows of a model, in ``named_modules`` order; a lazy
+    module's parameter (``nn.LazyLinear`` before its first forward) counts 0 elements."""
     trainable, frozen = [], []
     for owner in parameter_owners(model, prefix).values():
-        row = ParamRow(owner.layer, owner.param, type(owner.module), owner.tensor.numel())
+        numel = 0 if is_lazy(owner.tensor) else owner.tensor.numel()
+        row = ParamRow(owner.layer, owner.param, type(owner.module), numel)
         (trainable if owner.tensor.requires_grad else frozen).append(row)
     return trainable, frozen

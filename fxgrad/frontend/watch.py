@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat
@@ -161,19 +162,23 @@ class ForwardWatch:
         self._shared = _SHARED.setdefault(model, _Shared())
         self._passes_seen = self._shared.passes
         self._compiled: Callable[[], Any] = lambda: None
+        self._watched: nn.Parameter | None = None  # the probe the hooks are on
 
     def install(self, compiled: nn.Module) -> None:
         self._compiled = weakref.ref(compiled)
         compiled.register_forward_pre_hook(self._before)
         compiled.register_forward_hook(self._after)
-        if self._probe is not None:
-            self._watch_probe()
+        self._follow_probe()
 
     def _follow_probe(self) -> None:
-        """``load_state_dict(assign=True)`` replaces parameters: watch the new one."""
+        """Watch the probe parameter, the current one (``load_state_dict(assign=True)``
+        replaces parameters) once it has data (a lazy module's, ``nn.LazyLinear``, has none
+        before its first forward)."""
         current = getattr(self._probe_owner, self._probe_attr, None)
-        if isinstance(current, nn.Parameter) and current is not self._probe:
+        if isinstance(current, nn.Parameter):
             self._probe = current
+        if self._probe is not None and self._probe is not self._watched and not is_lazy(self._probe):
+            self._watched = self._probe
             self._watch_probe()
 
     def _watch_probe(self) -> None:
