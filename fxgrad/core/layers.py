@@ -6,7 +6,6 @@ module that owns it in ``model.named_modules()`` order, so tied weights (GPT-2's
 ``wte``/``lm_head``) belong to exactly one layer.
 
     >>> import torch.nn as nn
-from torch.nn.parameter import is_lazy
     >>> owners = parameter_owners(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))
     >>> sorted(owner.layer for owner in owners.values())
     ['0', '0', '1', '1']

@@ -148,8 +148,9 @@ def prepare(
     ``scope="auto"`` it picks ``scope="step"`` when ``gradient_accumulation_steps > 1``, ``fp16`` or
     ``gradient_checkpointing`` (then the policy runs once per optimizer step on the accumulated, unscaled
     gradient, whatever graph breaks checkpointing makes), else the in-graph scope.
-    A setting it cannot reconcile (another ``max_grad_norm``, ``torch_compile=True``, ``scope="graph"``
-    with accumulation or ``fp16``) raises ``ValueError`` naming it, here or when the Trainer is built.
+    A setting it cannot reconcile (another ``max_grad_norm``, ``torch_compile=True``, ``fsdp``, ``deepspeed``,
+    ``scope="graph"`` with accumulation, ``fp16``, or checkpointing under a cross-layer rule) raises
+    ``ValueError`` naming it, here or when the Trainer is built.
 
     ``scope``, ``skip``, ``compiler`` and ``strict`` are :func:`fxgrad.backend`'s; ``stats`` and ``prefix``
     the callback's; ``compile_kwargs`` (``dynamic=``, ``mode=``, ...) go to :meth:`fxgrad.Backend.compile`.
