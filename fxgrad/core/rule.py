@@ -69,6 +69,11 @@ class Transform:
         """Every leaf of the policy, in order."""
         return [route.leaf for route in self.routes(())]
 
+    def reduces_across_layers(self) -> bool:
+        """Whether a leaf reduces over several layers (``reach == "group"``: a global norm), so
+        that it must see every gradient at once."""
+        return any(leaf.reach == "group" for leaf in self.leaves())
+
     def unmatched(self, layers: Sequence[Layer]) -> list[str]:
         """Why routing keys (``by_type``, ``by_name``) that reach none of ``layers`` do not."""
         return []

@@ -121,10 +121,9 @@ class Backend:
         self._programs = StepPrograms(compiler)  # ... as compiled programs, by gradient layout
         # see fold(): the folded optimizers, each with the backward count at its last step
         self._folded: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-        self._cancel_checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._factor_given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
         self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._fold_cover: tuple[tuple, frozenset] = ((), frozenset())  # a walk, its parameters' ids
         if transform is not None:
             in_step = lambda: self.current_scope() == "step"  # noqa: E731
             self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update, in_step)
@@ -336,9 +335,11 @@ class Backend:
 
     def _adopt(self, model: nn.Module) -> None:
         """``model`` is compiled with this backend: learn its names, check the policy reaches it."""
-        refuse_flat_parameters(model)
+        known = any(ref() is model for ref in self._models)
+        if not known:
+            refuse_flat_parameters(model)
         hand_over(model, self)
-        if any(ref() is model for ref in self._models):
+        if known:
             return
         self.check_policy_reaches(model)
         self._models.append(weakref.ref(model))
@@ -509,8 +510,8 @@ class Backend:
         the update cancels the policy or steps gradients accumulated over backward passes in graph
         scope (plain path), keep the weights that update-level factors scale the change of, and
         give a folded optimizer the factor the policy left."""
-        if optimizer not in self._cancel_checked:
-            self._cancel_checked.add(optimizer)
+        if optimizer not in self._first_step_seen:  # checks of the optimizer and the policy, once
+            self._first_step_seen.add(optimizer)
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
                 warnings.warn(why, CoverageWarning, stacklevel=4)
@@ -554,10 +555,7 @@ class Backend:
         """Refuse the step of an optimizer that is not folded while another is: it would apply the
         gradients of this backend's models without the global factor the policy left to the folded
         updates (two optimizers over one model, one of them folded)."""
-        params = self._step.parameters(self._step_models())
-        if self._fold_cover[0] is not params:
-            self._fold_cover = params, frozenset(map(id, params))
-        ours = self._fold_cover[1]
+        ours = self._step.ids(self._step.parameters(self._step_models()))
         stepped = [p for group in optimizer.param_groups for p in group["params"] if id(p) in ours]
         if any(p.grad is not None for p in stepped):
             raise ValueError(

@@ -81,7 +81,7 @@ def report_outside(optimizer: torch.optim.Optimizer, transform: Transform, model
     global norm leaves them out. A warning, not an error: a loss module's weights or a task
     weight stepped beside the model may be left out on purpose, as ``clip_grad_norm_(
     model.parameters())`` leaves them. Per-layer rules do not target them: nothing to say then."""
-    if not any(leaf.reach == "group" for leaf in transform.leaves()):
+    if not transform.reduces_across_layers():
         return
     known = {id(p) for model in [*_NEWEST.keys(), *models] for p in model.parameters()}
     outside = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

@@ -235,9 +235,7 @@ class StepScope:
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             models = [pair for pair in models if any(id(p) in stepped for p in self.parameters([pair]))]
         params = self.parameters(models)
-        if self._ids[0] is not params:
-            self._ids = params, frozenset(map(id, params))
-        ours = self._ids[1]
+        ours = self.ids(params)
         steps_ours = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
         if not steps_ours:
             return
@@ -253,6 +251,12 @@ class StepScope:
                 self._walks.clear()
             self._walks[key] = ModelParameters()
         return self._walks[key]([model for model, _ in models])
+
+    def ids(self, params: tuple[nn.Parameter, ...]) -> frozenset[int]:
+        """The ids of ``params`` (a walk :meth:`parameters` returned), kept with the last walk."""
+        if self._ids[0] is not params:
+            self._ids = params, frozenset(map(id, params))
+        return self._ids[1]
 
     def _changed(self, params: Iterable[nn.Parameter]) -> bool:
         for p in params:

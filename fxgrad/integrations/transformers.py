@@ -98,9 +98,8 @@ class FxgradTrainerCallback(TrainerCallback):
                 "sums several backwards, and scope='graph' transforms each one: use scope='step' (prepare(..., "
                 "args) picks it)",
             )
-            across = any(leaf.reach == "group" for leaf in self.backend.transform.leaves())
             conflicts["gradient_checkpointing"] = (
-                args.gradient_checkpointing and across,
+                args.gradient_checkpointing and self.backend.transform.reduces_across_layers(),
                 "breaks the graph at each checkpointed layer, and a cross-layer rule in scope='graph' would see "
                 "one layer at a time: use scope='step' (prepare(..., args) picks it)",
             )
