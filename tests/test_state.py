@@ -323,6 +323,41 @@ def test_an_overflow_in_some_layers_leaves_every_layers_state(policy):
         torch.testing.assert_close(after[key], state[key], msg=key)
 
 
+@pytest.mark.parametrize("scope", ["graph", "step"])
+@pytest.mark.parametrize(
+    "rule",
+    [fxgrad.autoclip(history=6), fxgrad.zclip(warmup=2), fxgrad.adagc(warmup=2), fxgrad.monitor()],
+    ids=lambda rule: rule.name,
+)
+def test_a_step_skip_nonfinite_zeroed_leaves_the_state_of_the_rules_after_it(scope, rule):
+    """The documented order, skip_nonfinite first: the zeroed step is no step to the rules after
+    it. Fed to AdaGC's warm-up, its zero norms clipped every later gradient to zero."""
+    runs = []
+    for skipped in (False, True):
+        torch.manual_seed(0)
+        model = TwoBranches()
+        backend = fxgrad.backend(fxgrad.chain(fxgrad.skip_nonfinite(), rule), compiler="aot_eager", scope=scope)
+        compiled = backend.compile(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(6):
+            x = torch.randn(4, 8)
+            if step == 3 and skipped:
+                compiled(x, one_inf()).backward()
+                assert not fxgrad.step_if_finite(optimizer, backend)
+                optimizer.zero_grad()
+            compiled(x, torch.ones(8)).backward()
+            assert fxgrad.step_if_finite(optimizer, backend)
+            optimizer.zero_grad()
+        state = {k: v for k, v in backend.state_dict().items() if "skip_nonfinite" not in k}
+        runs.append((state, [p.detach().clone() for p in model.parameters()]))
+    (state, weights), (state_skipped, weights_skipped) = runs
+    assert state.keys() == state_skipped.keys() and state
+    for key in state:
+        torch.testing.assert_close(state_skipped[key], state[key], msg=key)
+    for actual, wanted in zip(weights_skipped, weights):
+        torch.testing.assert_close(actual, wanted, rtol=1e-6, atol=0)
+
+
 def test_a_checkpoint_of_another_policy_is_refused():
     model = models.MLP()
     saved = fxgrad.backend(fxgrad.autoclip(history=6), compiler="aot_eager")

@@ -61,6 +61,10 @@ class SkipNonfinite(Leaf):
     Statistics: ``nonfinite_step`` (1.0 when this step was zeroed) and
     ``nonfinite_steps`` (how many so far).
 
+    The stateful rules after it in the policy (``autoclip``'s history, ``zclip``'s and
+    ``monitor``'s statistics, ``adagc``'s EMAs, ...) leave their state alone on a step it
+    zeroed, as on an overflow step.
+
     Zero gradients are not a skipped step for every optimizer: plain SGD does
     nothing, but Adam-type optimizers still decay their moments and move the
     weights by ``lr * m / (sqrt(v) + eps)``, and weight decay still applies.
@@ -127,6 +131,7 @@ class SkipNonfinite(Leaf):
             ctx.save(state, steps=steps, threshold_scale=scale, finite_run=run)
             ctx.lower_thresholds(scale)
             ctx.emit("threshold_scale", scale)
+        ctx.skip_state_updates(bad)
         ctx.emit("nonfinite_step", bad.to(torch.float64))
         ctx.emit("nonfinite_steps", steps)
         return [[g.masked_fill(like(g, bad), 0) for g in group] for group in grads]

@@ -59,6 +59,7 @@ class GraphContext:
         self._stat_order: list[tuple[list[str], torch.Tensor]] = []
         self.scale: torch.Tensor | None = None
         self.threshold_scale: torch.Tensor | None = None  # set by skip_nonfinite(backoff=...)
+        self.skipped: torch.Tensor | None = None  # set by skip_nonfinite: this step's gradients were zeroed
         if scaler is not None:
             read = lambda: _read_scale(scaler)  # noqa: E731
             group = store.external_group("loss scale", ("loss scale",), read, 1, device)
@@ -145,6 +146,13 @@ class RouteContext:
         """Make :meth:`threshold` multiply by ``scale`` for the routes recorded after this one."""
         self.graph.threshold_scale = scale
 
+    def skip_state_updates(self, skipped: torch.Tensor) -> None:
+        """Make :meth:`save` of the routes recorded after this one keep the old state when
+        ``skipped`` (0-dim, bool) holds: a step whose gradients ``skip_nonfinite`` zeroed is no
+        step to the rules after it (a zero norm in autoclip's history would lower its threshold;
+        in AdaGC's EMA, clip every later step to zero)."""
+        self.graph.skipped = skipped
+
     def state(
         self,
         shared: dict[str, tuple[Shape, float]] | None = None,
@@ -187,15 +195,21 @@ class RouteContext:
         With ``finite=norms``, every entry keeps its old value unless all of
         ``norms`` are finite: one overflow step (routine with a GradScaler, which
         then skips the whole step) must not leave a NaN EMA or target behind for
-        good, nor advance the layers whose norms happened to stay finite.
+        good, nor advance the layers whose norms happened to stay finite. So does
+        every entry on a step ``skip_nonfinite`` earlier in the policy skipped
+        (:meth:`skip_state_updates`).
         """
         group, order = self._groups[id(state)]
         missing = set(order) - set(new)
         if missing:
             raise ValueError(f"save() of {self.key} needs values for {sorted(missing)}")
+        ok = None
         if finite is not None:
             ok = torch.isfinite(finite)
             ok = ok.all() if ok.dim() else ok
+        if self.graph.skipped is not None:
+            ok = ~self.graph.skipped if ok is None else ok & ~self.graph.skipped
+        if ok is not None:
             new = {n: torch.where(ok, value, state[n]) for n, value in new.items()}
         torch.ops.fxgrad.save_state(group.name, flat(new[n] for n in order))
 
