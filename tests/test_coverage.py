@@ -409,6 +409,19 @@ def test_accumulation_is_reported_and_zeroed_gradients_are_not(compile_with):
         optimizer.step()
 
 
+def test_two_losses_backward_through_one_forward_are_reported(compile_with):
+    """Multi-task losses with retain_graph=True: each backward's gradient was clipped apart."""
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    compiled = compile_with(backend, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    out = compiled(torch.randn(4, 16))
+    out.sum().backward(retain_graph=True)
+    out.pow(2).sum().backward()
+    with pytest.warns(fxgrad.CoverageWarning, match=r"several losses through one forward \(retain_graph"):
+        optimizer.step()
+
+
 def test_recompiling_after_a_dynamo_reset_forgets_the_old_graphs(compile_with):
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")

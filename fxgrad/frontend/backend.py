@@ -41,7 +41,7 @@ from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
 from fxgrad.frontend.warm_start import StandIn
-from fxgrad.frontend.watch import ForwardWatch, GradWrites, track_wrapper
+from fxgrad.frontend.watch import ForwardWatch, GradWrites, OncePerPass, track_wrapper
 from fxgrad.passes.capture import CapturedGraph, Root, capture
 from fxgrad.passes.graphtext import normalize_code, render_inserted
 from fxgrad.passes.record import gc_paused
@@ -209,7 +209,7 @@ class Backend:
             if (count_backwards or (watch_steps and self._policy_runs.watching)) and torch.is_grad_enabled():
                 # This call's parameters: a graph reused for another module is rebound on each call.
                 probe = next((t for p in graph.params if (t := args[p.index]).requires_grad), None)
-                reached = functools.partial(self._backward_ran, graph, probe, unwatched, [False])  # once per call
+                reached = functools.partial(self._backward_ran, graph, probe, unwatched, OncePerPass())
                 for node in {t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
                     node.register_prehook(reached)
             return outputs
@@ -253,19 +253,18 @@ class Backend:
             node.register_prehook(bind)
 
     def _backward_ran(
-        self, graph: CapturedGraph, probe: nn.Parameter | None, unwatched: bool, reached: list[bool], grad_outputs: Any
+        self, graph: CapturedGraph, probe: nn.Parameter | None, unwatched: bool, first: OncePerPass, grad_outputs: Any
     ) -> None:
         """A backward reached the outputs of one call of ``graph`` (``probe``: the call's first
-        trainable parameter, if any; ``reached``: whether one of that call's outputs was reached
-        before, as a view of an output has a node of its own).
+        trainable parameter, if any; ``first()``: whether no output of that call was reached
+        before in this backward pass).
 
         In step scope, whether it starts on the previous backward's gradient tells gradients
         dropped before the policy ran apart from accumulation (:class:`PolicyRuns`). On the
         plain ``torch.compile`` path in graph scope (``unwatched``: no per-forward watch does
         it), :class:`GradWrites` notes what the backward sums into ``.grad``."""
-        if reached[0]:
+        if not first():
             return
-        reached[0] = True
         self._backwards += 1
         if probe is None:
             return

@@ -38,9 +38,10 @@ from fxgrad.frontend.coverage import CoverageCheck
 
 ACCUMULATING = (
     "fxgrad: a backward started while .grad still held the previous backward's gradient. If you "
-    "accumulate gradients over micro-batches, scope='graph' transforms each micro-batch's gradient, "
-    "not their sum: use fxgrad.backend(..., scope='step'), which applies the policy once, "
-    "at optimizer.step(). (zero_grad() before each backward silences this.)"
+    "accumulate gradients over micro-batches, or backward several losses through one forward "
+    "(retain_graph=True), scope='graph' transforms each backward's gradient, not their sum: use "
+    "fxgrad.backend(..., scope='step'), which applies the policy once, at optimizer.step(). "
+    "(zero_grad() before each backward silences this.)"
 )
 
 TWO_FORWARDS = (
@@ -130,6 +131,25 @@ class GradWrites:
         return grad is not None and _compat.tensor_version(grad) == self._versions.get(param)
 
 
+class OncePerPass:
+    """``True`` the first time it is called in each backward pass. The outputs of one forward
+    call are reached more than once in one pass (a view of an output has an autograd node of
+    its own), and by more than one pass (``retain_graph=True``: a second loss through the same
+    forward sums into ``.grad``)::
+
+        first = OncePerPass()  # per forward call
+        node.register_prehook(lambda grad_outputs: first() and count())
+    """
+
+    def __init__(self) -> None:
+        self._pass: int | None = None
+
+    def __call__(self) -> bool:
+        current = _compat.backward_pass_id()
+        first, self._pass = current != self._pass, current
+        return first
+
+
 class ForwardWatch:
     """The per-forward checks of one compiled model.
 
@@ -212,14 +232,11 @@ class ForwardWatch:
         outputs = [t for t in _compat.tensors_in(output) if t.grad_fn is not None]
         if not outputs:
             return
-        reached = [False]  # one forward's outputs: a view of an output has a node of its own
+        first = OncePerPass()  # per forward call
         for node in {t.grad_fn for t in outputs}:
-            node.register_prehook(lambda grad_outputs: self._backward_reached(reached))
+            node.register_prehook(lambda grad_outputs: self._backward_reached(first))
 
-    def _backward_reached(self, reached: list[bool]) -> None:
+    def _backward_reached(self, first: OncePerPass) -> None:
         self._shared.passes += 1
-        if reached[0]:
-            return
-        reached[0] = True
-        if self._probe is not None:
+        if first() and self._probe is not None:
             self._writes.reaches(self._probe, type(self.model).__name__)
