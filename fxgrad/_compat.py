@@ -46,6 +46,7 @@ __all__ = [
     "compiled_backward_nodes",
     "layout_check",
     "may_record_grad",
+    "foreach_mul_",
     "foreach_norm",
     "data_parallel_world_size",
     "all_reduce",
@@ -544,6 +545,11 @@ def may_record_grad(gm: torch.fx.GraphModule) -> bool:
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The L2 norm of each tensor, in as few kernels as torch can."""
     return list(torch._foreach_norm(tensors))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply each of ``tensors`` by the 0-dim ``factor`` in place, in as few kernels as torch can."""
+    torch._foreach_mul_(tensors, factor)
 
 
 def data_parallel_world_size() -> int:

@@ -40,8 +40,11 @@ def assert_same_weights(actual, expected, rtol=1e-6):
         torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * scale, msg=name)
 
 
-def train(model, optimizer, steps, backend=None, reference=None, scaler=None, scheduler=None, nonfinite=()):
-    """``steps`` steps on fixed inputs; ``reference(model)`` edits the gradients when there is no backend.
+def train(
+    model, optimizer, steps, backend=None, reference=None, scaler=None, scheduler=None, nonfinite=(), unscale=False
+):
+    """``steps`` steps on fixed inputs; ``reference(model)`` edits the gradients when there is no backend;
+    ``unscale``: ``scaler.unscale_(optimizer)`` before ``scaler.step`` (to log the gradient's norm, say).
 
     Steps after the first run under the no-sync trap with a backend and a fused optimizer
     (torch's foreach Adam reads its step counter on the host)."""
@@ -55,9 +58,9 @@ def train(model, optimizer, steps, backend=None, reference=None, scaler=None, sc
         with no_host_sync() if step and trapped else contextlib.nullcontext():
             loss = compiled(x).pow(2).mean() * weight
             (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None and (reference is not None or unscale):
+                scaler.unscale_(optimizer)
             if reference is not None:
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
                 reference(model)
             if scaler is not None:
                 scaler.step(optimizer)
@@ -113,8 +116,9 @@ def test_folded_adaptive_clips_equal_the_unfolded_path(policy):
     assert "folded_factor" in stats and "folded_factor" not in expected_stats
 
 
+@pytest.mark.parametrize("unscale", [False, True], ids=["scaler.step", "unscale_+step"])
 @pytest.mark.parametrize("scope", SCOPES)
-def test_folded_with_a_grad_scaler_and_a_skipped_overflow_step(scope):
+def test_folded_with_a_grad_scaler_and_a_skipped_overflow_step(scope, unscale):
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
@@ -124,7 +128,7 @@ def test_folded_with_a_grad_scaler_and_a_skipped_overflow_step(scope):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     backend.fold(optimizer)
     expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, fused=True)
-    train(model, optimizer, STEPS, backend=backend, scaler=scaler, nonfinite={4})
+    train(model, optimizer, STEPS, backend=backend, scaler=scaler, nonfinite={4}, unscale=unscale)
     train(
         expected,
         expected_optimizer,
@@ -322,6 +326,71 @@ def test_two_optimizers_over_one_model_fold_both_or_are_refused(scope):
     backend.fold(optimizers[0])
     with pytest.raises(ValueError, match="is not folded while 1 other optimizer"):
         run(model, optimizers, backend)
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_a_second_step_on_the_same_gradients_applies_the_factor_once(scope):
+    """The fused update writes the gradient times the factor back to ``.grad``: that is what a
+    second step (no backward in between) and scaled_grads() after the step see."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    backend.fold(optimizer)
+    compiled = torch.compile(model, backend=backend)
+    expected_optimizer = torch.optim.SGD(expected.parameters(), lr=0.1, momentum=0.9, fused=True)
+    for _ in range(3):
+        x = torch.randn(16, 8)
+        for m, opt in ((compiled, optimizer), (expected, expected_optimizer)):
+            opt.zero_grad()
+            (m(x).pow(2).mean() * 30).backward()
+        ref.clip_global(expected, 0.05)
+        for _ in range(2):
+            optimizer.step()
+            expected_optimizer.step()
+        scaled = backend.scaled_grads(model)
+        for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+            torch.testing.assert_close(scaled[name], q.grad, rtol=1e-6, atol=1e-9, msg=name)
+    assert_same_weights(model, expected)
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_itself(scope):
+    """grad_scale would multiply every gradient the optimizer steps: a loss module's temperature,
+    or a group added after fold() without fused=True, leave the factor to a pass of its own."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    temperature, expected_temperature = (nn.Parameter(torch.ones(())) for _ in range(2))
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    backend.fold(optimizer)
+    compiled = torch.compile(model, backend=backend)
+    expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, fused=True)
+    for step in range(6):
+        if step == 3:
+            optimizer.add_param_group({"params": [temperature], "fused": False})
+            expected_optimizer.add_param_group({"params": [expected_temperature], "fused": False})
+        x = torch.randn(16, 8)
+        for m, t, opt in ((compiled, temperature, optimizer), (expected, expected_temperature, expected_optimizer)):
+            opt.zero_grad()
+            (m(x).pow(2).mean() * 30 * t).backward()
+        ref.clip_global(expected, 0.05)
+        expected_optimizer.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+        said = [str(w.message) for w in caught if "fold(AdamW)" in str(w.message)]
+        assert len(said) == (step == 3), said
+        if said:
+            assert "a parameter group without fused=True" in said[0] and "in a pass of its own" in said[0]
+    assert_same_weights(model, expected)
+    torch.testing.assert_close(temperature, expected_temperature, rtol=1e-6, atol=0)
+
+    other = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
+    with pytest.raises(ValueError, match=r"\boptimizer\b: this AdamW is folded into another fxgrad backend"):
+        other.fold(optimizer)
 
 
 def test_explain_says_the_gradients_are_folded():

@@ -119,8 +119,14 @@ class Backend:
         self._nesting: tuple[list[weakref.ref], list[int]] = ([], [])  # see _step_models
         self._policy_runs = PolicyRuns()  # ... and tells when a loop never lets it run
         self._programs = StepPrograms(compiler)  # ... as compiled programs, by gradient layout
-        # see fold(): the folded optimizers, each with the backward count at its last step
+        # see fold(): the folded optimizers, each with the count of factors the policy had left at its
+        # last step (_factors_left: one per backward in graph scope, per run in step scope)
         self._folded: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        self._step_runs = 0  # runs of the policy in step scope
+        # per folded optimizer: its param groups' sizes and our parameters as last checked, and why
+        # grad_scale cannot carry the factor then (None: it can)
+        self._fold_checks: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple] = weakref.WeakKeyDictionary()
+        self._told_scaling: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._factor_given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
         self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -470,6 +476,7 @@ class Backend:
             >>> backend.fold(torch.optim.AdamW(model.parameters(), fused=True))
         """
         folding.check(optimizer)
+        folding.claim(optimizer, self)
         scope = self.current_scope()
         compiled = any(graph.params for graph in self.registry.graphs)
         why = folding.fallback(optimizer, self.transform, scope, compiled)
@@ -477,7 +484,7 @@ class Backend:
             warnings.warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning, stacklevel=2)
             return
         if optimizer not in self._folded:
-            self._folded[optimizer] = self._backwards
+            self._folded[optimizer] = self._factors_left()
             # After the global hooks that give the factor; eager, like them, in a compiled step.
             optimizer.register_step_pre_hook(torch.compiler.disable(self._folded_step))
             optimizer.register_step_post_hook(torch.compiler.disable(folding.after_step))
@@ -489,13 +496,24 @@ class Backend:
         return list(self._folded)
 
     def scaled_grads(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """``model``'s gradients as the optimizer will apply them: ``.grad`` times the folded
-        factor while :meth:`fold` is on, ``.grad`` itself otherwise (no sync)."""
-        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-        if not self._folded:
-            return grads
-        factor = self.store.stat("folded_factor")
-        return {name: (g * factor).to(g.dtype) for name, g in grads.items()}
+        """``model``'s gradients as the optimizer applies them (no sync): while :meth:`fold` is on,
+        ``.grad`` times the folded factor until the folded step, which writes that product back
+        to ``.grad``; ``.grad`` itself otherwise. In step scope the policy runs first if it has
+        not run on these gradients (as :meth:`step` does)."""
+        if self._folded and self.current_scope() == "step" and self._step_models():
+            self.step()
+        grads = {name: p for name, p in model.named_parameters() if p.grad is not None}
+        count = self._factors_left()
+        owed = {
+            id(p) for opt, last in self._folded.items() if count > last for g in opt.param_groups for p in g["params"]
+        }
+        factor = self.store.stat("folded_factor") if owed else None
+        return {name: (p.grad * factor).to(p.grad.dtype) if id(p) in owed else p.grad for name, p in grads.items()}
+
+    def _factors_left(self) -> int:
+        """How many factors the policy has left to folded updates so far: one per backward
+        through the graphs in graph scope, one per run of the policy in step scope."""
+        return self._backwards if self.current_scope() == "graph" else self._step_runs
 
     def _note_summed(self, param: nn.Parameter, message: str | None) -> None:
         """A backward wrote ``param.grad``, summing parts (``message`` says how) or not (``None``)."""
@@ -525,13 +543,43 @@ class Backend:
         folded = optimizer in self._folded
         if self._folded and not folded:
             self._check_unfolded_step(optimizer)
+        factors = 0
         if folded:
-            self._check_folded_step(optimizer, args, kwargs)  # first: a refused step keeps no weight copy
+            factors, self._folded[optimizer] = self._factors_left() - self._folded[optimizer], self._factors_left()
+            self._check_folded_step(optimizer, factors, args, kwargs)  # first: a refused step keeps no weight copy
         if self._update_factors is not None:
             self._update_factors.before_step(optimizer)
         if folded:
-            folding.give(optimizer, self.store.stat("folded_factor"))
             self._factor_given.add(optimizer)
+            if factors:  # none: a second step on the same gradients, which the last update multiplied
+                self._give_factor(optimizer)
+
+    def _give_factor(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hand the policy's factor to ``optimizer``'s update, or, when its parameter groups
+        changed since :meth:`fold` so that ``grad_scale`` cannot carry it, multiply the gradients
+        of this backend's parameters it steps (warned once)."""
+        factor = self.store.stat("folded_factor")
+        ours = self._step.ids(self._step.parameters(self._step_models()))
+        shape = (ours, tuple(len(group["params"]) for group in optimizer.param_groups))
+        checked = self._fold_checks.get(optimizer)
+        if checked is None or checked[0] != shape:
+            checked = self._fold_checks[optimizer] = shape, folding.step_fallback(optimizer, ours)
+        if checked[1] is None:
+            folding.give(optimizer, factor)
+            return
+        if optimizer not in self._told_scaling:
+            self._told_scaling.add(optimizer)
+            warnings.warn(
+                f"fxgrad: fold({type(optimizer).__name__}): {checked[1]}: while it does, the factor "
+                "multiplies the gradients of the backend's models in a pass of its own",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        grads = [
+            p.grad for group in optimizer.param_groups for p in group["params"] if id(p) in ours and p.grad is not None
+        ]
+        if grads:
+            _compat.foreach_mul_(grads, factor)
 
     def _folded_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """A folded optimizer steps: say once if the policy gave it no factor (a silent no-op)."""
@@ -564,13 +612,13 @@ class Backend:
                 "every optimizer that steps the model (backend.fold(optimizer) for each), or none."
             )
 
-    def _check_folded_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """Refuse a step of a folded optimizer whose gradients the folded factor does not describe."""
+    def _check_folded_step(self, optimizer: torch.optim.Optimizer, factors: int, args: tuple, kwargs: dict) -> None:
+        """Refuse a step of a folded optimizer whose gradients the folded factor does not describe
+        (``factors``: how many the policy left since its last step)."""
         if self.current_scope() == "graph":
-            backwards, self._folded[optimizer] = self._backwards - self._folded[optimizer], self._backwards
-            if backwards > 1:
+            if factors > 1:
                 raise ValueError(
-                    f"fold in graph scope: {backwards} backward passes through the compiled graphs since the last "
+                    f"fold in graph scope: {factors} backward passes through the compiled graphs since the last "
                     "step (accumulated micro-batches, a graph break, retain_graph): each applied its own factor, "
                     "which one grad_scale cannot hold. Use fxgrad.backend(..., scope='step'), which applies the "
                     "factor of the whole step's gradient, or do not fold."
@@ -624,6 +672,7 @@ class Backend:
 
     def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list | None = None) -> None:
         self._policy_runs.ran()
+        self._step_runs += 1
         apply_to_grads(
             self.transform,
             models,

@@ -52,6 +52,7 @@ NORMALIZING = (
 )
 
 _SET_HERE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # grad_scale set by fxgrad, not a GradScaler
+_FOLDED_BY: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 def check(optimizer: Any) -> None:
@@ -109,18 +110,47 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> 
     )
 
 
+def claim(optimizer: torch.optim.Optimizer, backend: object) -> None:
+    """Record that ``backend`` folds into ``optimizer``; ``ValueError`` if another backend does:
+    its ``grad_scale`` holds one factor, which would multiply both backends' gradients."""
+    owner = _FOLDED_BY.get(optimizer)
+    if owner is not None and owner() is not None and owner() is not backend:
+        raise ValueError(
+            f"optimizer: this {type(optimizer).__name__} is folded into another fxgrad backend already, and its "
+            "grad_scale holds one factor, which would multiply the gradients of both backends' models. Give "
+            "each backend an optimizer of its own, or fold into one backend only"
+        )
+    _FOLDED_BY[optimizer] = weakref.ref(backend)
+
+
+def step_fallback(optimizer: torch.optim.Optimizer, ours: frozenset[int]) -> str | None:
+    """Why this step of a folded ``optimizer`` cannot carry the factor in ``grad_scale``
+    (``ours``: the ids of the backend's models' parameters), or ``None``: parameter groups
+    can change after :func:`fallback` approved the optimizer."""
+    if not all(group.get("fused") for group in optimizer.param_groups):
+        return "a parameter group without fused=True (added after fold()) has no grad_scale input"
+    outside = sum(id(p) not in ours for group in optimizer.param_groups for p in group["params"])
+    if outside:
+        return (
+            f"it also steps {outside} parameter(s) outside the models of this backend, whose gradients "
+            "grad_scale would multiply by the factor too"
+        )
+    return None
+
+
 def give(optimizer: torch.optim.Optimizer, factor: torch.Tensor) -> None:
     """Make the fused update multiply the gradients by ``factor`` (a device tensor; no sync).
 
-    A ``GradScaler`` has set ``grad_scale`` to its scale by now (it calls
-    ``optimizer.step()``, whose pre-hook calls this); the factor divides it."""
+    Within ``GradScaler.step`` (it calls ``optimizer.step()``, whose pre-hook calls this),
+    ``grad_scale`` is the loss scale, which the factor divides, or ``None`` after
+    ``scaler.unscale_(optimizer)``; the scaler deletes it after the step."""
     inverse = (1.0 / factor.to(torch.float64)).to(torch.float32)
-    scale = getattr(optimizer, "grad_scale", None)
-    if scale is None:
+    if optimizer in _SET_HERE or not hasattr(optimizer, "grad_scale"):
         optimizer.grad_scale = inverse
         _SET_HERE.add(optimizer)
     else:
-        optimizer.grad_scale = scale * inverse
+        scale = optimizer.grad_scale
+        optimizer.grad_scale = inverse if scale is None else scale * inverse
 
 
 def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
