@@ -35,6 +35,11 @@ def layers(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
     return out
 
 
+def wide(x):
+    """``x`` in float64, or complex128: complex values keep their imaginary part."""
+    return x.to(torch.complex128 if x.is_complex() else torch.float64)
+
+
 def trainable_layers(model, skip_norm=True):
     """``(name, module, params with a gradient)`` for layers per-layer transforms touch."""
     out = []
@@ -225,9 +230,6 @@ def agc(model, clipping=0.01, eps=1e-3):
         dims = tuple(range(1, x.dim()))
         return x.norm() if x.dim() <= 1 else torch.linalg.vector_norm(x, dim=dims, keepdim=True)
 
-    def wide(x):  # complex values keep their imaginary part
-        return x.to(torch.complex128 if x.is_complex() else torch.float64)
-
     for _, _, params in trainable_layers(model):
         for p in params:
             g = wide(p.grad)
@@ -270,7 +272,7 @@ class Balance:
         import math
 
         chosen = trainable_layers(model)
-        norms = [torch.cat([p.detach().double().reshape(-1) for p in ps]).norm().item() for _, _, ps in chosen]
+        norms = [torch.cat([wide(p.detach()).reshape(-1) for p in ps]).norm().item() for _, _, ps in chosen]
         share = [n / sum(norms) for n in norms]
         entropy = -sum(p * math.log(p) for p in share if p > 0)
         applied = False
@@ -284,7 +286,7 @@ class Balance:
                 for sign, picked in ((1.0, top), (-1.0, bottom)):
                     for i in picked:
                         for p in chosen[i][2]:
-                            p.grad.add_((sign * 2 * self.lam * delta * p.detach().double()).to(p.grad.dtype))
+                            p.grad.add_((sign * 2 * self.lam * delta * wide(p.detach())).to(p.grad.dtype))
             self.entropy = entropy
         self.steps += 1
         return applied

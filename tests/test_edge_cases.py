@@ -9,7 +9,7 @@ import pytest
 import reference as ref
 import torch
 import torch.nn as nn
-from parity import assert_grads_close, grads_of
+from parity import assert_grads_close, grads_of, run_both
 
 import fxgrad
 
@@ -280,6 +280,58 @@ def test_complex_gradients_are_rescaled_and_normalized_by_their_moduli():
     assert layer_norms(model) == pytest.approx([0.01, 0.01])
     model, _ = complex_step(fxgrad.normalize("linf"))
     assert layer_norms(model, float("inf")) == pytest.approx([1.0, 1.0])
+
+
+class Stack(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(a, b, dtype=dtype) for a, b in ((8, 16), (16, 4), (4, 4))))
+
+    def forward(self, x):
+        return self.layers(x).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.cfloat, torch.float64])
+def test_balance_norms_adds_the_whole_weight_complex_or_float64(dtype):
+    """``2 * lam * delta * W`` with W as it is: its imaginary part, its float64 digits."""
+    model = Stack(dtype)
+    with torch.no_grad():
+        model.layers[0].weight.mul_(3.0)  # uneven weight norms: the top and the bottom layer differ
+    reference = ref.Balance(k=1, lam=0.5, every=1, entropy_drop=0.0)
+    inputs = [(step, torch.randn(5, 8, dtype=dtype), 1.0) for step in range(8)]
+    policy = fxgrad.balance_norms(k=1, lam=0.5, every=1, entropy_drop=0.0)
+    rtol = 1e-10 if dtype == torch.float64 else 1e-5  # float32 weights were off by 1e-8
+    _, applied = run_both(policy, reference.step, 8, model=model, inputs=inputs, lr=0.05, rtol=rtol)
+    assert any(applied), applied
+
+
+class WithEmpty(nn.Module):
+    """A layer whose weight has no elements (a (0, n) table: no special tokens configured)."""
+
+    def __init__(self):
+        super().__init__()
+        self.empty, self.head = nn.Linear(8, 0), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(x) + self.empty(x).sum()
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [fxgrad.sinkhorn(), fxgrad.adaptive_grad_clip(0.01), fxgrad.normalize("rms"), fxgrad.rescale(alpha=0.5)],
+    ids=repr,
+)
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_an_empty_parameter_is_left_alone(scope, policy):
+    torch.manual_seed(0)
+    model = WithEmpty()
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
+    compiled = backend.compile(model)
+    models.loss_of(compiled(torch.randn(4, 8))).backward()
+    if scope == "step":
+        backend.step()
+    assert model.empty.weight.grad.shape == (0, 8)
+    assert torch.isfinite(model.head.weight.grad).all()
 
 
 class SparseEmbedding(nn.Module):

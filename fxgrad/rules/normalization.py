@@ -289,6 +289,8 @@ class Sinkhorn(Leaf):
 
     def _one(self, grad: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         x = widen(grad)
+        if x.numel() == 0:  # a (0, n) parameter: nothing to normalize, and no rows to divide by
+            return grad
         if x.dim() >= 2:
             rows, cols = x.shape[0], x.numel() // x.shape[0]
             y = x.reshape(rows, cols)

@@ -365,7 +365,6 @@ class BalanceNorms(Leaf):
             coef = coef * ctx.scale
         weights = ctx.weights()
         out = []
-        for i, (group, values) in enumerate(zip(grads, weights)):
-            c = coef[i].to(torch.float32)
+        for c, group, values in zip(coef, grads, weights):  # a 0-dim float64 c keeps w's dtype
             out.append([cast(widen(g) + c * w, g.dtype) for g, w in zip(group, values)])
         return out

@@ -14,6 +14,7 @@ so they change every step without a host sync or a recompile::
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -279,17 +280,19 @@ class RouteContext:
         return _split(self._external("weight row norms", read, _numel(shapes)), shapes)
 
     def weights(self) -> list[list[torch.Tensor]]:
-        """Per layer, per parameter: a float32 copy of the parameter's values.
+        """Per layer, per parameter: a copy of the parameter's values, in float32 or the widest
+        dtype among the parameters (float64, complex).
 
         Costs one read of those parameters per step.
         """
         params = self._params()
         shapes = [[tuple(p.shape) for p in layer_params] for layer_params in params()]
+        dtype = functools.reduce(torch.promote_types, [p.dtype for ps in params() for p in ps], torch.float32)
 
         def read() -> torch.Tensor:
             return torch.cat([p.reshape(-1) for layer_params in params() for p in layer_params])
 
-        return _split(self._external("weights", read, _numel(shapes), dtype=torch.float32), shapes)
+        return _split(self._external("weights", read, _numel(shapes), dtype=dtype), shapes)
 
     def _params(self) -> Callable[[], list[list[torch.Tensor]]]:
         if self.graph.params is None:
