@@ -233,6 +233,18 @@ def test_a_loop_that_never_lets_the_policy_run_is_reported_once(graph_break, com
     assert len([w for w in caught if issubclass(w.category, fxgrad.CoverageWarning)]) == 1
 
 
+def test_a_loop_of_autograd_grad_is_told_that_step_scope_reads_dot_grad(compile_with):
+    model, _ = mlp_and_copy()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    compiled = compile_with(backend, model)
+    with pytest.warns(fxgrad.CoverageWarning, match=r"wrote no \.grad \(torch\.autograd\.grad"):
+        for _ in range(3):
+            grads = torch.autograd.grad(models.loss_of(compiled(torch.randn(4, 16))), list(model.parameters()))
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), grads):
+                    p -= 0.1 * g
+
+
 def test_a_loop_that_calls_step_or_skips_one_batch_is_not_reported(compile_with):
     model, _ = mlp_and_copy()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")

@@ -276,7 +276,8 @@ class Backend:
             return
         if self.current_scope() == "step":
             self._writes.watch(probe)
-            self._policy_runs.backward_started(probe, self._writes.holds_last_backward(probe))
+            writes = self._writes
+            self._policy_runs.backward_started(probe, writes.holds_last_backward(probe), writes.written(probe))
         elif unwatched:
             self._writes.reaches(probe, self.registry.model_name(graph))
 

@@ -164,16 +164,17 @@ class PolicyRuns:
         """Whether backwards need :meth:`backward_started`: the policy never ran, and nothing was said."""
         return not self._ran and not self._told
 
-    def backward_started(self, probe: nn.Parameter, accumulating: bool) -> None:
+    def backward_started(self, probe: nn.Parameter, accumulating: bool, written: bool = True) -> None:
         """A backward reaches a compiled graph of which ``probe`` is a parameter; ``accumulating``:
-        whether ``probe.grad`` still holds the previous backward's gradient."""
+        whether ``probe.grad`` still holds the previous backward's gradient; ``written``: whether
+        any backward wrote ``probe.grad`` (``torch.autograd.grad`` returns gradients instead)."""
         if not self.watching:
             return
         dropped = self._dropped.get(probe)
         self._dropped[probe] = 0 if dropped is None or accumulating else dropped + 1
         if self._dropped[probe] >= 2 and not torch.distributed.is_initialized():
             self._told = True
-            warnings.warn(DROPPED, CoverageWarning, stacklevel=6)  # at loss.backward()
+            warnings.warn(DROPPED if written else NOT_WRITTEN, CoverageWarning, stacklevel=6)  # at the backward
 
 
 DROPPED = (
@@ -181,6 +182,12 @@ DROPPED = (
     "backend.step(), and neither ran between backward passes whose gradients were then zeroed: the policy "
     "did nothing to them. Call backend.step() after the last backward() of each step, before updating "
     "the weights."
+)
+
+NOT_WRITTEN = (
+    "fxgrad: scope='step' applies the policy to .grad, and the backward passes through the compiled model "
+    "wrote no .grad (torch.autograd.grad returns the gradients instead): the policy did nothing to them. "
+    "scope='graph' transforms the gradients inside the backward graph, torch.autograd.grad's included."
 )
 
 

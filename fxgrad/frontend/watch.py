@@ -126,6 +126,10 @@ class GradWrites:
         current, message = self._reached.pop(param, (None, None))
         self.summed(param, message if current == _compat.backward_pass_id() else None)
 
+    def written(self, param: nn.Parameter) -> bool:
+        """Whether a backward wrote ``param.grad`` since :meth:`watch`."""
+        return self._versions.get(param) is not None
+
     def holds_last_backward(self, param: nn.Parameter) -> bool:
         grad = param.grad
         return grad is not None and _compat.tensor_version(grad) == self._versions.get(param)
