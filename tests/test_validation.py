@@ -1,5 +1,7 @@
 """Bad input fails at construction with TypeError/ValueError naming the argument."""
 
+import copy
+import io
 import math
 import re
 
@@ -181,3 +183,17 @@ def test_fsdp1_is_refused_naming_the_wrapped_module(monkeypatch, how):
             torch.compile(model, backend=backend)
         else:
             backend.step(model)
+
+
+def test_a_compiled_model_deep_copies_onto_the_same_backend_and_refuses_pickling():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager")
+    compiled = backend.compile(model)
+    twin = copy.deepcopy(compiled)  # an EMA copy, say
+    assert twin._orig_mod is not model and copy.deepcopy(backend) is backend
+    with pytest.warns(fxgrad.CoverageWarning):  # two models of one backend: the twin's layers are renamed
+        twin(torch.randn(4, 8)).sum().backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in twin.parameters()]))
+    assert norm.item() == pytest.approx(1e-2, rel=1e-5)
+    with pytest.raises(TypeError, match=r"cannot be pickled, nor a model compiled with it"):
+        torch.save(compiled, io.BytesIO())

@@ -138,6 +138,21 @@ class Backend:
         on_update = any(leaf.apply_to == "update" for leaf in leaves)
         self._update_factors = UpdateFactors(self.store, self._step_models) if on_update else None
 
+    def __copy__(self) -> Backend:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Backend:
+        """The backend itself: ``copy.deepcopy(compiled_model)`` (an EMA copy, say) gives a model
+        compiled with the same backend, as ``torch.compile(copy, backend=backend)`` would."""
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "an fxgrad backend cannot be pickled, nor a model compiled with it (torch.save(compiled_model)): it "
+            "holds hooks on live optimizers and models. Save model.state_dict() (or the model before "
+            "compiling) and backend.state_dict(), and compile again after loading."
+        )
+
     def current_scope(self) -> str:
         """``"graph"`` or ``"step"``: what ``scope="auto"`` resolves to in this process."""
         if self.scope != "auto":
