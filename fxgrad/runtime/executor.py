@@ -131,12 +131,14 @@ class Executor:
         grads = [self.grads[name] for name in route.names]
         sparse = [name for name, layer in zip(route.names, grads) if any(g.layout != torch.strided for g in layer)]
         if sparse:
+            # the skip list keeps layers from per-layer rules only; routing keeps them from any rule
+            skip = f", or the backend's skip=({sparse[0]!r},)" if route.leaf.per_layer else ""
             raise NotImplementedError(
                 f"fxgrad: {route.leaf!r} works on the elements of each gradient, not only on its norm, "
                 f"and the gradients of {', '.join(map(repr, sparse))} are sparse (nn.Embedding(sparse=True)?). "
                 "Rules that scale whole gradients by their norms take sparse gradients. Keep these layers "
-                f"from this rule (fxgrad.by_name({{...}}, default=...), or the backend's skip=({sparse[0]!r},)), "
-                "or make their gradients dense (sparse=False)."
+                f"from this rule (fxgrad.by_name({{...}}, default=...){skip}), or make their gradients dense "
+                "(sparse=False)."
             )
         ctx = self.graph.route(index, route.leaf.name, route.layers, self)
         new = route.leaf.apply(grads, route.layers, ctx)
