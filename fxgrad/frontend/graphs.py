@@ -158,10 +158,11 @@ class GraphRegistry:
         if any(p.layer == layer for part in self.parts_of_same_forward(graph) for p in part.params):
             return "in another compiled graph of the same forward (a graph break)"
         if any(p.layer == layer for other in self.graphs for p in other.params):
-            return "in another compiled graph"
+            return "in another compiled graph (a graph break, or a recompile for a branch taken on other inputs)"
         return (
             "in no compiled graph: it runs outside torch.compile (a graph break in a loop, or a frame "
-            "past torch._dynamo.config.recompile_limit), or the forward does not use it"
+            "past torch._dynamo.config.recompile_limit), or the forward does not use it (here, or on "
+            "these inputs: a branch taken on some steps only)"
         )
 
     def model_layers(
