@@ -228,8 +228,10 @@ def _peakedness(stats: NormStats, layer: Layer) -> torch.Tensor:
     entries whatever the size, ``k/numel`` for ``k`` equal spikes. Scaled so a
     Gaussian-like or flat gradient reads 0 and a few spikes read close to 1.
     """
-    l1, l2 = stats.norm(1.0), stats.norm(2.0).clamp_min(1e-30)
-    return (1.0 - (math.pi / 2) * (l1 * l1) / (layer.numel * l2 * l2)).clamp(0.0, 1.0)
+    l1, l2 = stats.norm(1.0), stats.norm(2.0)
+    # (l1 / l2)^2, not l1^2 / l2^2, which underflows in float32; a zero or empty gradient carries nothing: 1
+    carrying = torch.where(l2 > 0, (l1 / l2) ** 2 / max(layer.numel, 1), 0.0)
+    return (1.0 - (math.pi / 2) * carrying).clamp(0.0, 1.0)
 
 
 def _norm_list(name: str, norms) -> tuple[str, ...]:
