@@ -109,3 +109,24 @@ def test_update_level_factor_acts_through_the_trainer(tmp_path):
     name = "transformer.h.0.attn.c_attn.weight"
     torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-5, atol=1e-7)
     assert (weights[1][name] - plain.state_dict()[name]).abs().max() > 1e-3
+
+
+def test_resuming_from_a_checkpoint_restores_the_policys_state(tmp_path):
+    """The Trainer saves and restores only what it knows; the callback adds the backend's state."""
+    policy = fxgrad.chain(fxgrad.autoclip(percentile=50.0, history=8), fxgrad.zclip(warmup=2, max_norm=None))
+    base = _gpt2()
+
+    def train(model, out, **kwargs):
+        args = _args(out, max_steps=4, save_strategy="steps", save_steps=2)
+        compiled, callback = prepare(model, policy, args, compiler="aot_eager")
+        Trainer(model=compiled, args=args, train_dataset=_data(), callbacks=[callback]).train(**kwargs)
+        return callback.backend.state_dict()
+
+    straight = train(copy.deepcopy(base), tmp_path / "straight")
+    resumed_model = copy.deepcopy(base)
+    train(copy.deepcopy(base), tmp_path / "resumed")
+    resumed = train(resumed_model, tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "resumed/checkpoint-2"))
+    assert straight.keys() == resumed.keys()
+    for key, value in straight.items():
+        torch.testing.assert_close(resumed[key], value, msg=key)
+    assert resumed["0.autoclip/count"].item() == 4

@@ -23,11 +23,14 @@ Reference: docs/integrations.md.
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
 from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry
 from fxgrad.core.rule import Transform
@@ -48,6 +51,11 @@ class FxgradTrainerCallback(TrainerCallback):
     after this one see them. Reporting integrations (``report_to``) run before user callbacks; to send the
     statistics to them, put this callback first:
     ``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(FxgradTrainerCallback))``.
+
+    Each checkpoint the Trainer saves gets the backend's state (``fxgrad_state.pt``: autoclip's history,
+    zclip's statistics, ...), and ``trainer.train(resume_from_checkpoint=...)`` loads it back from
+    ``<output_dir>/checkpoint-<step>``; a resumed run whose checkpoint has none warns that the policy's state
+    starts over.
 
     When the Trainer is built it raises ``ValueError`` naming a setting that conflicts with the policy (see
     :func:`prepare`). Usually made by :func:`prepare`::
@@ -115,6 +123,28 @@ class FxgradTrainerCallback(TrainerCallback):
     def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         self.check(args)
 
+    def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        saved = self.backend.state_dict()
+        if saved and args.should_save:
+            folder = _checkpoint(args, state)
+            os.makedirs(folder, exist_ok=True)
+            torch.save(saved, os.path.join(folder, STATE_FILE))
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 0:  # not resumed
+            return
+        path = os.path.join(_checkpoint(args, state), STATE_FILE)
+        if os.path.exists(path):
+            self.backend.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        elif self.backend.state_dict():
+            warnings.warn(
+                f"fxgrad: the Trainer resumed at step {state.global_step}, and {path} does not exist: the policy's "
+                "state (autoclip's history, zclip's statistics, ...) starts over. Load it yourself before "
+                "train(): callback.backend.load_state_dict(torch.load(<checkpoint>/fxgrad_state.pt))",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
     def on_log(self, args: TrainingArguments, state: Any, control: Any, logs: dict | None = None, **kwargs) -> None:
         if logs is None or "loss" not in logs:  # evaluation and end-of-training entries
             return
@@ -169,6 +199,14 @@ def prepare(
     if args is not None:
         callback.check(args)
     return backend.compile(model, **compile_kwargs), callback
+
+
+STATE_FILE = "fxgrad_state.pt"
+
+
+def _checkpoint(args: TrainingArguments, state: Any) -> str:
+    """The folder the Trainer saves the checkpoint of ``state.global_step`` in."""
+    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
 
 def _default(args: TrainingArguments, name: str) -> Any:
