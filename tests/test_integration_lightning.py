@@ -129,6 +129,48 @@ def test_per_layer_policy_logs_its_stats_to_csv(tmp_path):
     assert float(rows[-1]["fxgrad/grad_norm/total_clipped"]) < float(rows[-1]["fxgrad/grad_norm/total"])
 
 
+class EveryOtherBatch(Regressor):
+    """Manual optimization that steps on every second batch (accumulation written by hand)."""
+
+    def __init__(self, callback: FxgradCallback) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.callback, self.norms = callback, {}
+
+    def training_step(self, batch, batch_idx):
+        self.manual_backward(super().training_step(batch, batch_idx) / 2)
+        if batch_idx % 2 == 1:
+            optimizer = self.optimizers()
+            optimizer.step()
+            optimizer.zero_grad()
+            self.norms[batch_idx] = self.callback.backend.stats()["grad_norm/total"].item()
+
+
+def test_manual_optimization_logs_each_steps_own_stats(tmp_path):
+    """Lightning writes a row every log_every_n_steps batches here, not optimizer steps: a value
+    logged on a batch whose row is not written reached the next row, stale."""
+    callback = FxgradCallback(fxgrad.clip_by_global_norm(0.2), compiler="aot_eager", stats=["grad_norm/total"])
+    module = EveryOtherBatch(callback)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=pl.loggers.CSVLogger(tmp_path, name="run"),
+        log_every_n_steps=2,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(num_workers|bottleneck|does not have many workers).*")
+        trainer.fit(module, _data(16))
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        logged = {int(row["step"]): float(row["fxgrad/grad_norm/total"]) for row in csv.DictReader(f)}
+    assert len(logged) == 8
+    for step, value in logged.items():
+        assert value == pytest.approx(module.norms[step], rel=1e-6), step
+
+
 def test_lightning_clipping_is_refused():
     callback = FxgradCallback(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
     with pytest.raises(ValueError, match=r"Trainer\(gradient_clip_val=0.5\) would clip the gradients again"):

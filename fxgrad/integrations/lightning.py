@@ -49,8 +49,9 @@ class FxgradCallback(pl.Callback):
     * ``stats``: fnmatch patterns choosing which of ``backend.stats()`` to log (default all; ``()`` none).
     * ``prefix``: prepended to each logged name (``"fxgrad/grad_norm/total"``).
 
-    The statistics go through ``LightningModule.log_dict`` on every ``log_every_n_steps``-th optimizer
-    step, when the Trainer has a logger: Lightning copies them to the host then, and only then.
+    The statistics go through ``LightningModule.log_dict`` at the optimizer steps of the batches whose
+    metrics Lightning writes (every ``log_every_n_steps``-th), when the Trainer has a logger: Lightning
+    copies them to the host then, and only then.
     ``callback.backend`` holds the state; the callback's ``state_dict`` puts it in Lightning's checkpoints.
 
     At ``Trainer.fit`` it raises ``ValueError`` for ``Trainer(gradient_clip_val=...)`` or a
@@ -125,8 +126,7 @@ class FxgradCallback(pl.Callback):
         if scaler is not None and _compat.grad_scaler_unscaled(scaler, optimizer):
             scaler = None  # Lightning unscaled the gradients before this hook (not for a fused optimizer)
         self.backend.transform_grads(pl_module, scaler, optimizer)
-        every = trainer.log_every_n_steps
-        if trainer.loggers and every > 0 and (trainer.global_step + 1) % every == 0:  # Lightning writes logs now
+        if trainer.loggers and _writes_logs_now(trainer):
             logged = selected_stats(self.backend, self.stats, self.prefix)
             if logged:
                 pl_module.log_dict(logged, on_step=True, on_epoch=False)
@@ -136,6 +136,19 @@ class FxgradCallback(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.backend.load_state_dict(state_dict)
+
+
+def _writes_logs_now(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes this batch's step metrics to the loggers. It counts batches that
+    stepped, not optimizer steps: under manual optimization that steps every other batch, the
+    optimizer's count would log on batches whose row Lightning does not write, and the value
+    would reach the next row written, stale. Its own test is not public API (Lightning 2.6);
+    without it, every ``log_every_n_steps``-th optimizer step."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is not None and hasattr(connector, "should_update_logs"):
+        return connector.should_update_logs
+    every = trainer.log_every_n_steps
+    return every > 0 and (trainer.global_step + 1) % every == 0
 
 
 def _scaler(trainer: pl.Trainer) -> Any:
