@@ -390,3 +390,21 @@ def test_weights_stepped_beside_the_model_are_warned_about_not_refused(scope):
                 optimizer.step()
             told = [w for w in caught if "belong to none of the models" in str(w.message)]
             assert len(told) == (1 if says and step == 0 else 0)
+
+
+def test_a_module_compiled_with_another_policy_is_reported_once():
+    """A Lightning module compiling its network with fxgrad.backend(policy), and the callback given
+    the policy too: the gradients would go through both."""
+    policy = fxgrad.clip_by_global_norm(0.1)
+    outer = nn.Module()
+    outer.net = torch.compile(
+        nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)),
+        backend=fxgrad.backend(policy, compiler="aot_eager"),
+    )
+    at_step = fxgrad.backend(policy, compiler="aot_eager", scope="step")
+    outer.net(torch.randn(4, 8)).sum().backward()
+    with pytest.warns(fxgrad.CoverageWarning, match=r"Module\.net is compiled with another fxgrad backend") as caught:
+        at_step.transform_grads(outer)
+        at_step.transform_grads(outer)
+        at_step.step(outer)
+    assert len([w for w in caught if "another fxgrad backend" in str(w.message)]) == 1

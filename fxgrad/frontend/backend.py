@@ -36,7 +36,7 @@ from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_miss
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
-from fxgrad.frontend.step_check import StepCheck, hand_over, report_outside
+from fxgrad.frontend.step_check import StepCheck, hand_over, policed_elsewhere, report_outside
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
@@ -130,6 +130,7 @@ class Backend:
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._factor_given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
         self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._policies_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # see _check_one_policy
         if transform is not None:
             in_step = lambda: self.current_scope() == "step"  # noqa: E731
             self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update, in_step)
@@ -456,6 +457,7 @@ class Backend:
             return
         if model is not None and all(ref() is not model for ref in self._models):
             refuse_flat_parameters(model)
+            self._check_one_policy(model)
             self._models.append(weakref.ref(model))  # later optimizer steps find it too
         models = [(model, "")] if model is not None else self._step_models()
         if not models:
@@ -659,10 +661,30 @@ class Backend:
         """
         if self.transform is None:
             return
+        self._check_one_policy(model)
         models = [(model, "")]
         self._apply_to_grads(models, scaler, self._step.parameters(models))  # the kept walk: this runs every step
         if optimizer is not None and self._update_factors is not None:
             self._update_factors.before_step(optimizer, models)
+
+    def _check_one_policy(self, model: nn.Module) -> None:
+        """Warn once if a module of ``model``, which this backend's policy runs on at the step, was
+        compiled with another backend whose policy transforms its gradients already (a Lightning
+        module compiling its network with ``fxgrad.backend(policy)``, and the callback given it too)."""
+        if model in self._policies_checked:
+            return
+        self._policies_checked.add(model)
+        name = policed_elsewhere(model, self)
+        if name is not None:
+            where = type(model).__name__ + (f".{_compat.module_path(name)}" if name else "")
+            warnings.warn(
+                f"fxgrad: {where} is compiled with another fxgrad backend, whose policy transforms its gradients "
+                f"in the backward already, and this backend's {self.transform!r} runs on them again at the step: "
+                "two policies, one after the other. Give the policy to one of them (compile with plain "
+                "torch.compile when a callback or backend.step() holds it).",
+                CoverageWarning,
+                stacklevel=4,
+            )
 
     def _step_models(self) -> list[tuple[nn.Module, str]]:
         """The models step scope covers: those given to :meth:`compile` or :meth:`step`, then the

@@ -98,6 +98,17 @@ def hand_over(model: nn.Module, owner: Any) -> None:
     _NEWEST[model] = weakref.ref(owner)
 
 
+def policed_elsewhere(model: nn.Module, owner: Any) -> str | None:
+    """The name of a module of ``model`` (``""``: itself) that another live backend with a policy
+    compiled last, or ``None``: its gradients go through that policy already."""
+    for name, module in model.named_modules():
+        other = _NEWEST.get(module)
+        backend = other() if other is not None else None
+        if backend is not None and backend is not owner and backend.transform is not None:
+            return name
+    return None
+
+
 @contextlib.contextmanager
 def handed_back(model: nn.Module) -> Iterator[None]:
     """Give ``model`` back to the backend that compiled it before the block (``explain``
