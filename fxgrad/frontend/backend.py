@@ -36,7 +36,13 @@ from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_miss
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
-from fxgrad.frontend.step_check import StepCheck, hand_over, policed_elsewhere, report_outside
+from fxgrad.frontend.step_check import (
+    StepCheck,
+    hand_over,
+    policed_elsewhere,
+    remove_optimizer_hooks,
+    report_outside,
+)
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
@@ -666,6 +672,14 @@ class Backend:
         self._apply_to_grads(models, scaler, self._step.parameters(models))  # the kept walk: this runs every step
         if optimizer is not None and self._update_factors is not None:
             self._update_factors.before_step(optimizer, models)
+
+    def retire(self) -> None:
+        """Act on no later ``optimizer.step()``: ``explain``'s own backend, done with its one
+        backward, which Dynamo's cache entries may keep alive (its step-scope hook would run
+        the policy a second time on every later step of the model)."""
+        for owner in (self._step, self._step_check, self._update_factors):
+            if owner is not None:
+                remove_optimizer_hooks(owner)
 
     def _check_one_policy(self, model: nn.Module) -> None:
         """Warn once if a module of ``model``, which this backend's policy runs on at the step, was

@@ -172,15 +172,18 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
     capture = collector.capture() if collector is not None else contextlib.nullcontext()
     with _restored(model), handed_back(model), warnings.catch_warnings(record=True) as caught, capture:
         warnings.simplefilter("always", CoverageWarning)
-        compiled = probe.compile(model)
-        loss = _loss_of(compiled(*args, **kwargs))
-        loss.backward()
-        step_scope = None
-        if probe.transform is not None and probe.current_scope() == "step":
-            step_scope = step_routes(probe.transform, [(model, "")], probe.skip, probe.registry.forward_order())[1]
-            if collector is not None:
-                with collector.step_program():
-                    probe.transform_grads(model)  # on this backward's gradients; _restored puts .grad back
+        try:
+            compiled = probe.compile(model)
+            loss = _loss_of(compiled(*args, **kwargs))
+            loss.backward()
+            step_scope = None
+            if probe.transform is not None and probe.current_scope() == "step":
+                step_scope = step_routes(probe.transform, [(model, "")], probe.skip, probe.registry.forward_order())[1]
+                if collector is not None:
+                    with collector.step_program():
+                        probe.transform_grads(model)  # on this backward's gradients; _restored puts .grad back
+        finally:
+            probe.retire()
     messages = [str(w.message) for w in caught if issubclass(w.category, CoverageWarning)]
     report = Report(backend, _decisions(model, probe, step_scope), probe.graphs, loss.detach(), messages)
     if collector is not None:

@@ -135,6 +135,12 @@ def optimizer_post_hook(owner: Any, method: Callable[[Any, torch.optim.Optimizer
     _AFTER.add(owner, method)
 
 
+def remove_optimizer_hooks(owner: Any) -> None:
+    """Stop calling ``owner``'s methods at optimizer steps (before ``owner`` is collected)."""
+    for hook in (_BEFORE, _AFTER):
+        hook.owners.pop(owner, None)
+
+
 class _GlobalHook:
     """One global optimizer-step hook serving every owner, over a copy of the live ones.
 
