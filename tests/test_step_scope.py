@@ -408,3 +408,18 @@ def test_a_module_compiled_with_another_policy_is_reported_once():
         at_step.transform_grads(outer)
         at_step.step(outer)
     assert len([w for w in caught if "another fxgrad backend" in str(w.message)]) == 1
+
+
+def test_step_of_a_model_checks_its_keys_and_names_layers_inside_data_parallel_wrappers():
+    """backend.step(model) is the path of uncompiled, FSDP2 and tensor-parallel models: a key that
+    matches nothing is reported there too, and DDP's ``module.`` does not prefix the layer names."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    policy = fxgrad.by_name({"0": fxgrad.clip_by_norm(1e-3), "zzz": fxgrad.clip_by_norm(1.0)})
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope="step")
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.warns(fxgrad.CoverageWarning, match=r"by_name key 'zzz' matches no layer"):
+        backend.step(nn.DataParallel(model))  # DDP's wrapper needs a process group; DataParallel's is alike
+    assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model[0].parameters()])).item() == (
+        pytest.approx(1e-3, rel=1e-5)
+    )

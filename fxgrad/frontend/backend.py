@@ -136,7 +136,7 @@ class Backend:
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._factor_given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
         self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._policies_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # see _check_one_policy
+        self._met: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models step() or transform_grads() met
         if transform is not None:
             in_step = lambda: self.current_scope() == "step"  # noqa: E731
             self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update, in_step)
@@ -461,9 +461,9 @@ class Backend:
             )
         if self._step is None:
             return
+        model = _unwrapped(model) if model is not None else None
         if model is not None and all(ref() is not model for ref in self._models):
-            refuse_flat_parameters(model)
-            self._check_one_policy(model)
+            self._meet(model)
             self._models.append(weakref.ref(model))  # later optimizer steps find it too
         models = [(model, "")] if model is not None else self._step_models()
         if not models:
@@ -667,7 +667,7 @@ class Backend:
         """
         if self.transform is None:
             return
-        self._check_one_policy(model)
+        self._meet(model)
         models = [(model, "")]
         self._apply_to_grads(models, scaler, self._step.parameters(models))  # the kept walk: this runs every step
         if optimizer is not None and self._update_factors is not None:
@@ -681,13 +681,17 @@ class Backend:
             if owner is not None:
                 remove_optimizer_hooks(owner)
 
-    def _check_one_policy(self, model: nn.Module) -> None:
-        """Warn once if a module of ``model``, which this backend's policy runs on at the step, was
-        compiled with another backend whose policy transforms its gradients already (a Lightning
-        module compiling its network with ``fxgrad.backend(policy)``, and the callback given it too)."""
-        if model in self._policies_checked:
+    def _meet(self, model: nn.Module) -> None:
+        """Check a model :meth:`step` or :meth:`transform_grads` gets, the first time: refuse
+        flattened parameters, warn for policy keys that reach none of its layers (as compiling
+        it does), and warn if a module of it was compiled with another backend whose policy
+        transforms its gradients already (a Lightning module compiling its network with
+        ``fxgrad.backend(policy)``, and the callback given the policy too)."""
+        if model in self._met:
             return
-        self._policies_checked.add(model)
+        self._met.add(model)
+        refuse_flat_parameters(model)
+        self.check_policy_reaches(model)
         name = policed_elsewhere(model, self)
         if name is not None:
             where = type(model).__name__ + (f".{_compat.module_path(name)}" if name else "")
@@ -785,6 +789,13 @@ class Backend:
                 f"with <position>.<transform>/: {', '.join(owners) or 'none (no transform)'}"
             )
         self.store.load_state_dict(state)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside data-parallel wrappers, whose layers are named without their ``module.``."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
 
 
 def _refuse_sparse(plan: GraphPlan, outputs: list[torch.fx.Node | None]) -> None:
