@@ -229,8 +229,9 @@ def _peakedness(stats: NormStats, layer: Layer) -> torch.Tensor:
     Gaussian-like or flat gradient reads 0 and a few spikes read close to 1.
     """
     l1, l2 = stats.norm(1.0), stats.norm(2.0)
-    # (l1 / l2)^2, not l1^2 / l2^2, which underflows in float32; a zero or empty gradient carries nothing: 1
-    carrying = torch.where(l2 > 0, (l1 / l2) ** 2 / max(layer.numel, 1), 0.0)
+    # (l1 / l2)^2, not l1^2 / l2^2, which underflows in float32; a zero or empty gradient carries nothing
+    # (reads 1), a non-finite one stays NaN (so the step leaves the state alone)
+    carrying = torch.where(l2 == 0, 0.0, (l1 / l2) ** 2 / max(layer.numel, 1))
     return (1.0 - (math.pi / 2) * carrying).clamp(0.0, 1.0)
 
 
