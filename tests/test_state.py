@@ -374,6 +374,32 @@ def test_a_checkpoint_of_another_policy_is_refused():
         models.loss_of(shorter.compile(models.MLP())(torch.randn(4, 16))).backward()
 
 
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_checkpoint_of_renamed_layers_is_reported_and_a_failed_load_changes_nothing(scope):
+    def trained():
+        model = models.MLP()
+        policy = fxgrad.chain(fxgrad.monitor(), fxgrad.autoclip(history=6))
+        backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
+        compiled = backend.compile(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        models.loss_of(compiled(torch.randn(4, 16))).backward()
+        optimizer.step()
+        return backend, compiled, optimizer
+
+    saved, _, _ = trained()
+    state = {key.replace("/net.", "/encoder.net."): value for key, value in saved.state_dict().items()}  # wrapped since
+    backend, compiled, optimizer = trained()
+    threshold = backend.state_dict()["1.autoclip/threshold"].clone()
+    with pytest.raises(ValueError, match="has shape"):
+        backend.load_state_dict({"1.autoclip/threshold": torch.tensor(123.0), "1.autoclip/history": torch.zeros(3)})
+    assert backend.state_dict()["1.autoclip/threshold"] == threshold  # all or nothing
+    backend.load_state_dict(state)
+    optimizer.zero_grad()
+    models.loss_of(compiled(torch.randn(4, 16))).backward()
+    with pytest.warns(fxgrad.CoverageWarning, match=r"state entries given to load_state_dict\(\) match no state"):
+        optimizer.step()
+
+
 def test_two_backends_never_share_state():
     a = fxgrad.backend(fxgrad.autoclip(), compiler="aot_eager")
     b = fxgrad.backend(fxgrad.autoclip(), compiler="aot_eager")

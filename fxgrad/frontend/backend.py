@@ -137,6 +137,7 @@ class Backend:
         self._factor_given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
         self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._met: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models step() or transform_grads() met
+        self._loaded = False  # load_state_dict() ran, and no optimizer step has checked what it placed
         if transform is not None:
             in_step = lambda: self.current_scope() == "step"  # noqa: E731
             self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update, in_step)
@@ -551,6 +552,9 @@ class Backend:
         the update cancels the policy or steps gradients accumulated over backward passes in graph
         scope (plain path), keep the weights that update-level factors scale the change of, and
         give a folded optimizer the factor the policy left."""
+        if self._loaded:
+            self._loaded = False
+            self._report_unplaced()
         if optimizer not in self._first_step_seen:  # checks of the optimizer and the policy, once
             self._first_step_seen.add(optimizer)
             why = folding.cancelled(optimizer, self.transform)
@@ -775,7 +779,9 @@ class Backend:
 
         A key no transform of this policy owns (the checkpoint of another
         policy, or of this one with transforms added before it) raises
-        ``ValueError``, and so does a shape that differs from this policy's.
+        ``ValueError``, and so does a shape that differs from this policy's; a
+        load that raises changes nothing. Keys no compiled transform took by the
+        first optimizer step after the load (a renamed layer) are warned about.
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
@@ -789,6 +795,22 @@ class Backend:
                 f"with <position>.<transform>/: {', '.join(owners) or 'none (no transform)'}"
             )
         self.store.load_state_dict(state)
+        self._loaded = True
+
+    def _report_unplaced(self) -> None:
+        """Warn for loaded keys that no compiled transform took by the first optimizer step after
+        the load: a layer renamed (the model wrapped, or its modules moved), a statistic misspelt."""
+        unplaced = self.store.pending()
+        if unplaced:
+            shown = ", ".join(map(repr, unplaced[:5])) + (f" and {len(unplaced) - 5} more" if len(unplaced) > 5 else "")
+            warnings.warn(
+                f"fxgrad: {len(unplaced)} state entries given to load_state_dict() match no state of the policy "
+                f"{self.transform!r} at the first optimizer step after loading: {shown}. Their layers or "
+                "statistics are named otherwise here (a model wrapped or renamed since the checkpoint?), so the "
+                "state they hold starts over. They wait, should a graph that needs them compile later.",
+                CoverageWarning,
+                stacklevel=5,
+            )
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

@@ -276,15 +276,24 @@ class StateStore:
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore entries; keys of transforms not compiled yet wait for them."""
+        """Restore entries; keys of transforms not compiled yet wait for them. All or nothing:
+        every value is checked before any is copied."""
         live = self.values()
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"state {key!r} must be a tensor, got {type(value).__name__}")
             if key in live:
-                live[key].copy_(_loaded(key, value, tuple(live[key].shape)))
+                _loaded(key, value, tuple(live[key].shape))
+        for key, value in state.items():
+            if key in live:
+                live[key].copy_(value)
             else:
                 self._pending[key] = value.clone()
+
+    def pending(self) -> list[str]:
+        """Keys loaded that no compiled transform has placed (yet)."""
+        live = {key for slots in self._state.values() for key in slots.layout}
+        return [key for key in self._pending if key not in live]
 
 
 def _loaded(key: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
