@@ -80,6 +80,11 @@ def test_policy_from_file_via_environment(tmp_path, monkeypatch):
     assert_grads_close(model, expected)
     assert backend_for(model=model) is backend_for() is not None  # the file's backend, without its options
     assert backend_for().transform == fxgrad.clip_by_norm(1e-3)
+    options = {"strict": False}  # over the file's spec, not instead of it: a policy all the same
+    compiled = torch.compile(model, backend="fxgrad", options=options)
+    models.loss_of(compiled(x)).backward()
+    assert backend_for(options, compiled) is backend_for(options, model)  # the compiled module, or the model
+    assert backend_for(options, model).transform == fxgrad.clip_by_norm(1e-3)
 
 
 def test_config_file_key(tmp_path):
@@ -161,10 +166,20 @@ def test_bad_config_is_rejected(spec, error, match):
         from_config(spec)
 
 
-def test_named_backend_without_policy_explains(monkeypatch):
+@pytest.mark.parametrize("options", [None, {"compiler": "aot_eager"}], ids=["no options", "options, no policy"])
+def test_named_backend_without_policy_explains(monkeypatch, options):
     monkeypatch.delenv("FXGRAD_CONFIG", raising=False)
     with pytest.raises(Exception, match="needs a policy"):
-        torch.compile(nn.Linear(2, 2), backend="fxgrad")(torch.randn(1, 2))
+        torch.compile(nn.Linear(2, 2), backend="fxgrad", options=options)(torch.randn(1, 2))
+
+
+def test_a_config_that_is_no_path_is_refused_before_it_is_opened():
+    """open() takes an int as a file descriptor, and closes it: True would have closed stdout."""
+    for config in (1, True):
+        with pytest.raises(TypeError, match=r"config must be a path"):
+            from_config({"config": config})
+    with pytest.raises(TypeError, match=r"options must be a dict"):
+        backend_for("clip", nn.Linear(2, 2))
 
 
 def test_named_backend_reports_routing_keys_that_reach_no_layer():

@@ -73,6 +73,8 @@ def from_config(spec: Mapping[str, Any]) -> Backend:
 
 def load(path: str | os.PathLike) -> dict:
     """The dict in a JSON policy file."""
+    if not isinstance(path, (str, os.PathLike)):  # open() takes an int as a file descriptor, and closes it
+        raise TypeError(f"config must be a path (str or os.PathLike), got {path!r}")
     with open(path) as file:
         try:
             spec = json.load(file)

@@ -1,9 +1,10 @@
 """The named backend: ``torch.compile(model, backend="fxgrad", options={...})``.
 
 pyproject.toml registers :func:`fxgrad_backend` in the ``torch_dynamo_backends``
-entry-point group. The policy comes from ``options`` (see :mod:`fxgrad.config`),
-or, when there are none (e.g. Hugging Face's ``torch_compile_backend="fxgrad"``),
-from the JSON file named by the ``FXGRAD_CONFIG`` environment variable::
+entry-point group. The policy comes from ``options`` (see :mod:`fxgrad.config`)
+over the JSON file named by the ``FXGRAD_CONFIG`` environment variable, if set
+(e.g. for Hugging Face's ``torch_compile_backend="fxgrad"``, which passes no
+options); options without a policy and no such file are refused::
 
     torch.compile(model, backend="fxgrad",
                   options={"transform": {"clip_by_global_norm": {"max_norm": 1.0}}})
@@ -38,8 +39,8 @@ def fxgrad_backend(
     spec = _spec(options)
     if spec is None:
         raise ValueError(
-            'backend="fxgrad" needs a policy: pass options={"transform": ...} to '
-            f"torch.compile, or set {CONFIG_ENV}=<policy.json>"
+            'backend="fxgrad" needs a policy: pass options={"transform": ...} (or {"config": <policy.json>}) '
+            f"to torch.compile, or set {CONFIG_ENV}=<policy.json>"
         )
     key = _key(spec)
     if not any(isinstance(value, nn.Parameter) for value in example_inputs):
@@ -65,15 +66,19 @@ def backend_for(options: dict | None = None, model: nn.Module | None = None) -> 
         return None
     if model is None:
         return _latest.get(_key(spec))
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    model = getattr(model, "_orig_mod", model)  # the module torch.compile returned: the model inside
     return _backends.get(model, {}).get(_key(spec))
 
 
 def _spec(options: dict | None) -> dict | None:
-    """``options``, or the ``FXGRAD_CONFIG`` file's when there are none (None: neither)."""
-    if options:
-        return dict(options)
+    """``options`` over the ``FXGRAD_CONFIG`` file's spec (None: neither names a policy)."""
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"options must be a dict, got {type(options).__name__}")
     path = os.environ.get(CONFIG_ENV)
-    return load(path) if path else None
+    spec = {**(load(path) if path else {}), **(options or {})}
+    return spec if "transform" in spec or "config" in spec else None
 
 
 def _key(spec: dict) -> str:
