@@ -65,6 +65,12 @@ CASES = [
     (lambda: fxgrad.multi_normalize(switching_threshold=-0.1), ValueError, "switching_threshold"),
     (lambda: fxgrad.multi_normalize(schedule={5: ("l2",)}), ValueError, "schedule"),
     (lambda: fxgrad.multi_normalize(schedule=[("l2",)]), TypeError, "schedule"),
+    (lambda: fxgrad.multi_normalize(("linf",), schedule={0: ("l2",)}), ValueError, "norms"),
+    (
+        lambda: fxgrad.multi_normalize(switching_threshold=0.5, threshold_schedule={0: 0.2}),
+        ValueError,
+        "switching_threshold",
+    ),
     (lambda: fxgrad.multi_normalize(threshold_schedule={0: -1.0}), ValueError, "threshold_schedule"),
     (lambda: fxgrad.multi_normalize(threshold_schedule={}), TypeError, "threshold_schedule"),
     (lambda: fxgrad.multi_normalize(threshold_schedule=0), TypeError, "threshold_schedule"),

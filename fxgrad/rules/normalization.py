@@ -150,6 +150,11 @@ class MultiNormalize(ScaleLeaf):
             {0: threshold} if self.threshold_schedule is None else self.threshold_schedule,
             lambda name, v: validate.non_negative(name, v),
         )
+        # a short argument other than its default, and a schedule that says otherwise from step 0
+        if self.schedule is not None and tuple(self.norms) not in (("l2", "linf"), schedule[0][1]):
+            raise ValueError("norms: schedule sets the norms too (from step 0); give one of norms and schedule")
+        if self.threshold_schedule is not None and self.switching_threshold not in (0.1, thresholds[0][1]):
+            raise ValueError("switching_threshold: threshold_schedule sets it too (from step 0); give one of them")
         self.set(
             norms=schedule[0][1],
             switching_threshold=thresholds[0][1],
