@@ -1,6 +1,7 @@
 """``fxgrad.explain`` reports per-layer decisions and leaves the model as it was."""
 
 import models
+import pytest
 import torch
 import torch.nn as nn
 
@@ -142,3 +143,15 @@ def test_training_after_explain_runs_the_policy_once():
         weights.append([p.detach().clone() for p in model.parameters()])
     for explained, plain in zip(*weights):
         torch.testing.assert_close(explained, plain, rtol=1e-6, atol=0)
+
+
+def test_a_compiled_module_is_explained_as_its_model():
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager")
+    report = fxgrad.explain(backend.compile(model), torch.randn(4, 16), backend=backend)
+    assert [layer.name for layer in report.layers] == [
+        layer.name for layer in fxgrad.explain(model, torch.randn(4, 16), backend=backend).layers
+    ]
+    assert "compiler='aot_eager'" in str(report)
+    with pytest.raises(TypeError, match=r"model must be an nn.Module, got function"):
+        backend.compile(lambda x: x)

@@ -42,6 +42,7 @@ def gradient_ops(inserted: str) -> dict[str, list[str]]:
 class TestExplainKernels(expecttest.TestCase):
     def test_every_inserted_node_is_in_a_kernel_or_reported_outside(self):
         report = mlp_report()
+        self.assertIn("compiler='inductor'", str(report))  # what compiled the graphs shown, not the backend's
         (program,) = report.kernels
         self.assertEqual(program.program, "backward graph 0")
         inserted = re.findall(r"^(fxgrad_\w+) = ", report.inserted, re.MULTILINE)

@@ -327,6 +327,11 @@ class Backend:
         process (a sweep, a test suite) counts against one shared
         ``recompile_limit``, so the ninth would run eagerly.
         """
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"model must be an nn.Module, got {type(model).__name__}; compile a function with "
+                "torch.compile(fn, backend=backend)"
+            )
         compile_kwargs.setdefault("isolate_recompiles", True)
         patches = _compat.inductor_config_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
         if patches and self.compiler != "inductor":

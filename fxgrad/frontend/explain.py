@@ -62,6 +62,7 @@ class Report:
     loss: torch.Tensor
     warnings: list[str]
     kernels: list[ProgramKernels] | None = None
+    compiler: str = ""  # what compiled the graphs shown: Inductor with kernels=True, else the backend's
 
     @property
     def backward_before(self) -> str:
@@ -115,7 +116,7 @@ class Report:
         parts = [
             self.table(),
             "",
-            f"{len(self.graphs)} compiled graph(s) (compiler={backend.compiler!r}, scope={backend.scope!r}), "
+            f"{len(self.graphs)} compiled graph(s) (compiler={self.compiler!r}, scope={backend.scope!r}), "
             f"loss {self.loss.item():.6g}",
         ]
         if self.warnings:
@@ -159,6 +160,9 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
         raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
     if not isinstance(kernels, bool):
         raise TypeError(f"kernels must be a bool, got {kernels!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    model = getattr(model, "_orig_mod", model)  # a compiled module: explain compiles the model inside itself
     # A GradScaler has no scale before its first scaled backward, and this one is unscaled.
     probe = Backend(
         backend.transform,
@@ -185,7 +189,8 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
         finally:
             probe.retire()
     messages = [str(w.message) for w in caught if issubclass(w.category, CoverageWarning)]
-    report = Report(backend, _decisions(model, probe, step_scope), probe.graphs, loss.detach(), messages)
+    decisions = _decisions(model, probe, step_scope)
+    report = Report(backend, decisions, probe.graphs, loss.detach(), messages, compiler=probe.compiler)
     if collector is not None:
         report.kernels = collector.result(probe.graphs, stepped=step_scope is not None)
     return report
