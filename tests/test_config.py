@@ -159,6 +159,9 @@ def test_routers_and_skip_in_config():
         ({"transform": {"chain": [{"monitor": {}}]}}, ValueError, "a chain is written as a list"),
         ({"transform": {"rescale": {"multipliers": [["*", 2.0]]}}}, TypeError, "multipliers"),
         ({"transform": {"multi_normalize": {"schedule": {"x": ["l2"]}}}}, ValueError, "schedule"),
+        ({"transform": {"multi_normalize": {"schedule": {"0": ["l2"], "²": ["l2"]}}}}, ValueError, "schedule"),
+        ({"transform": {"clip_by_norm": {"max_nrom": 1.0}}}, TypeError, "clip_by_norm takes no argument 'max_nrom'"),
+        ({"transform": {"by_type": {"mapping": {nn.LSTM: {"monitor": {}}}}}}, TypeError, "dotted path as a string"),
     ],
 )
 def test_bad_config_is_rejected(spec, error, match):

@@ -100,6 +100,7 @@ CASES = [
     (lambda: fxgrad.by_name({}), ValueError, "mapping"),
     (lambda: fxgrad.backend("clip"), TypeError, "transform"),
     (lambda: fxgrad.backend(compiler="eager"), ValueError, "compiler"),
+    (lambda: fxgrad.backend(compiler=["inductor"]), ValueError, "compiler"),
     (lambda: fxgrad.backend(strict="yes"), TypeError, "strict"),
     (lambda: fxgrad.backend(skip=nn.LayerNorm), TypeError, "skip"),
     (lambda: fxgrad.backend(skip="LayerNorm"), TypeError, "skip"),

@@ -81,7 +81,7 @@ class Backend:
             )
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-        if compiler not in COMPILERS:
+        if not isinstance(compiler, str) or compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {sorted(COMPILERS)}, got {compiler!r}")
         for name, flag in (("strict", strict), ("keep_code", keep_code)):
             if not isinstance(flag, bool):

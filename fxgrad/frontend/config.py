@@ -106,13 +106,17 @@ def parse_transform(spec: Any) -> Transform:
         value, convert = arguments.get(field.name), KEY_SPELLINGS.get(field.metadata.get("config"))
         if convert is not None and isinstance(value, Mapping):
             arguments[field.name] = {convert(key): item for key, item in value.items()}
+    known = {field.name for field in dataclasses.fields(RULES[name]) if field.init}
+    unknown = sorted(set(arguments) - known)
+    if unknown:
+        raise TypeError(f"{name} takes no argument {', '.join(map(repr, unknown))}; its arguments: {sorted(known)}")
     return RULES[name](**arguments)
 
 
 def _step(key: Any) -> Any:
     """A JSON object key for a step (``"500"``) as an int; anything else as given, for the
     transform's own check to name."""
-    return int(key) if isinstance(key, str) and key.isdigit() else key
+    return int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
 
 
 def _type_or_pattern(entry: Any) -> Any:
@@ -139,7 +143,7 @@ def _router(name: str, arguments: Mapping[str, Any]) -> Transform:
 
 
 def _skip(entries: Any) -> tuple:
-    if not isinstance(entries, list):
+    if not isinstance(entries, (list, tuple)):
         raise TypeError(f"skip must be a list, got {entries!r}")
     result: list = []
     for entry in entries:
@@ -149,6 +153,8 @@ def _skip(entries: Any) -> tuple:
 
 def import_class(path: str) -> type:
     """``torch.nn.LSTM`` -> the class."""
+    if not isinstance(path, str):
+        raise TypeError(f"a class in a config is its dotted path as a string ('torch.nn.LSTM'), got {path!r}")
     module, _, name = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)
