@@ -129,8 +129,8 @@ class Backend:
         # last step (_factors_left: one per backward in graph scope, per run in step scope)
         self._folded: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         self._step_runs = 0  # runs of the policy in step scope
-        # per folded optimizer: its param groups' sizes and our parameters as last checked, and why
-        # grad_scale cannot carry the factor then (None: it can)
+        # per folded optimizer: its param groups' sizes as last checked, why grad_scale cannot carry the
+        # factor then (None: it can), and the ids of our parameters then
         self._fold_checks: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple] = weakref.WeakKeyDictionary()
         self._told_scaling: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -578,7 +578,8 @@ class Backend:
             self._check_unfolded_step(optimizer)
         factors = 0
         if folded:
-            factors, self._folded[optimizer] = self._factors_left() - self._folded[optimizer], self._factors_left()
+            count = self._factors_left()
+            factors, self._folded[optimizer] = count - self._folded[optimizer], count
             self._check_folded_step(optimizer, factors, args, kwargs)  # first: a refused step keeps no weight copy
         if self._update_factors is not None:
             self._update_factors.before_step(optimizer)
@@ -592,14 +593,15 @@ class Backend:
         changed since :meth:`fold` so that ``grad_scale`` cannot carry it, multiply the gradients
         of this backend's parameters it steps (warned once)."""
         factor = self.store.stat("folded_factor")
-        ours = self._step.ids(self._step.parameters(self._step_models()))
-        shape = (ours, tuple(len(group["params"]) for group in optimizer.param_groups))
+        shape = tuple(len(group["params"]) for group in optimizer.param_groups)  # add_param_group changes it
         checked = self._fold_checks.get(optimizer)
         if checked is None or checked[0] != shape:
-            checked = self._fold_checks[optimizer] = shape, folding.step_fallback(optimizer, ours)
+            ours = self._step.ids(self._step.parameters(self._step_models()))
+            checked = self._fold_checks[optimizer] = shape, folding.step_fallback(optimizer, ours), ours
         if checked[1] is None:
             folding.give(optimizer, factor)
             return
+        ours = checked[2]
         if optimizer not in self._told_scaling:
             self._told_scaling.add(optimizer)
             warnings.warn(
