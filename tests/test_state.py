@@ -9,6 +9,7 @@ import math
 import warnings
 
 import models
+import numpy as np
 import pytest
 import reference as ref
 import torch
@@ -23,6 +24,27 @@ def test_autoclip_matches_numpy_percentile_reference():
     backend, taus = run_both(
         fxgrad.autoclip(percentile=90, history=10, blend=0.1), reference.step, 32, spikes=(12, 20, 21)
     )
+    assert backend.stats()["autoclip/threshold"].item() == pytest.approx(taus[-1], rel=1e-6)
+
+
+class PaperAutoClip:
+    """AutoClip as published (Seetharaman et al. 2020, pseeth/autoclip): the percentile of every
+    global norm so far, unsmoothed, then clip_grad_norm_."""
+
+    def __init__(self, percentile):
+        self.percentile, self.norms = percentile, []
+
+    def step(self, model):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        self.norms.append(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])).item())
+        tau = float(np.percentile(self.norms, self.percentile))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tau)
+        return tau
+
+
+def test_autoclip_without_blend_or_window_is_the_papers():
+    reference = PaperAutoClip(percentile=10)
+    backend, taus = run_both(fxgrad.autoclip(percentile=10, history=64, blend=1.0), reference.step, 32, spikes=(12, 20))
     assert backend.stats()["autoclip/threshold"].item() == pytest.approx(taus[-1], rel=1e-6)
 
 

@@ -49,6 +49,12 @@ class AutoClip(ScaleLeaf):
     interpolates linearly, like ``numpy.percentile``'s default. A non-finite
     norm is not pushed (it still propagates to the gradients).
 
+    The paper's algorithm takes the percentile of every norm seen so far, unsmoothed,
+    at ``percentile=10``: ``blend`` and the ``history`` window are fxgrad's additions
+    (a threshold that moves less per step, and state of a fixed size).
+    ``autoclip(percentile=10, history=N, blend=1.0)`` with ``N`` at least the number
+    of steps is the paper's (tested against it).
+
     Statistics: ``autoclip/threshold``, ``grad_norm/total``,
     ``grad_norm/total_clipped``, ``clip_coef``.
 

@@ -215,13 +215,20 @@ def _check_target_signature(target: Callable) -> None:
 
 @rule
 class TrustRatio(ScaleLeaf):
-    """The LAMB/LARS trust ratio per layer: ``g <- g * c * ||w|| / (||g|| + eps)``.
+    """The LARS trust ratio per layer: ``g <- g * c * ||w|| / (||g|| + eps)``.
 
     Both norms are floored at ``min_norm``; the ratio is 1 when either is 0
     (as optax's ``scale_by_trust_ratio``, applied per layer rather than per
     tensor). ``trust_ratio/<layer>`` is in ``backend.stats()``. With
     ``apply_to="update"`` the ratio scales the layer's optimizer update (LARS-style
     per-layer learning rates under any optimizer) instead of its gradient.
+
+    The ratio reads the gradient's norm, as LARS does; LAMB divides by the norm of
+    the optimizer's update instead (Adam's step plus weight decay), so under AdamW
+    ``apply_to="update"`` is not LAMB: it multiplies Adam's step by
+    ``||w|| / ||g||``, which can be far larger than LAMB's ratio. LARS's weight
+    decay term in the denominator (``||g|| + wd ||w||``) is left out; ``eps`` is a
+    constant.
 
         >>> import fxgrad
         >>> fxgrad.scale_by_trust_ratio(0.001)
