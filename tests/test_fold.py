@@ -174,13 +174,20 @@ def test_grad_holds_the_gradient_before_the_factor_until_the_step():
     factor = backend.stats()["folded_factor"]
     assert 0 < factor.item() < 0.5
     scaled = backend.scaled_grads(model)
+    seen = []  # in a hook of the step itself, after fxgrad handed the factor over: still before the update
+    hook = optimizer.register_step_pre_hook(
+        lambda *_: seen.append({name: g.clone() for name, g in backend.scaled_grads(model).items()})
+    )
     total = torch.stack([g.double().norm() for g in raw.values()]).norm()
     coef = min(1.0, 0.05 / (total.item() + 1e-6))  # clip_grad_norm_'s coefficient
     for name, g in scaled.items():
         torch.testing.assert_close(g, raw[name] * coef, rtol=1e-6, atol=1e-9, msg=name)
     optimizer.step()  # the fused update applies the factor and writes the gradient it used back
+    hook.remove()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, scaled[name], rtol=1e-6, atol=1e-9, msg=name)
+        torch.testing.assert_close(seen[0][name], scaled[name], rtol=1e-6, atol=1e-9, msg=name)
+        torch.testing.assert_close(backend.scaled_grads(model)[name], scaled[name], rtol=1e-6, atol=1e-9, msg=name)
 
 
 @pytest.mark.parametrize(

@@ -128,6 +128,8 @@ class Backend:
         # see fold(): the folded optimizers, each with the count of factors the policy had left at its
         # last step (_factors_left: one per backward in graph scope, per run in step scope)
         self._folded: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        # ... and the count as of the last update that applied a factor (after the step: see scaled_grads)
+        self._applied: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         self._step_runs = 0  # runs of the policy in step scope
         # per folded optimizer: its param groups' sizes as last checked, why grad_scale cannot carry the
         # factor then (None: it can), and the ids of our parameters then
@@ -514,10 +516,10 @@ class Backend:
             warnings.warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning, stacklevel=2)
             return
         if optimizer not in self._folded:
-            self._folded[optimizer] = self._factors_left()
+            self._folded[optimizer] = self._applied[optimizer] = self._factors_left()
             # After the global hooks that give the factor; eager, like them, in a compiled step.
             optimizer.register_step_pre_hook(torch.compiler.disable(self._folded_step))
-            optimizer.register_step_post_hook(torch.compiler.disable(folding.after_step))
+            optimizer.register_step_post_hook(torch.compiler.disable(self._folded_step_done))
         if scope == "step":
             self._step.arm()
 
@@ -534,8 +536,8 @@ class Backend:
             self.step()
         grads = {name: p for name, p in model.named_parameters() if p.grad is not None}
         count = self._factors_left()
-        owed = {
-            id(p) for opt, last in self._folded.items() if count > last for g in opt.param_groups for p in g["params"]
+        owed = {  # the optimizers whose update has not applied the latest factor yet
+            id(p) for opt, last in self._applied.items() if count > last for g in opt.param_groups for p in g["params"]
         }
         factor = self.store.stat("folded_factor") if owed else None
         return {name: (p.grad * factor).to(p.grad.dtype) if id(p) in owed else p.grad for name, p in grads.items()}
@@ -615,6 +617,12 @@ class Backend:
         ]
         if grads:
             _compat.foreach_mul_(grads, factor)
+
+    def _folded_step_done(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """A folded optimizer stepped: its update applied the factors left so far, and wrote the
+        product back to ``.grad``; drop the ``grad_scale`` fxgrad set."""
+        self._applied[optimizer] = self._folded[optimizer]
+        folding.after_step(optimizer)
 
     def _folded_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """A folded optimizer steps: say once if the policy gave it no factor (a silent no-op)."""

@@ -153,7 +153,7 @@ def give(optimizer: torch.optim.Optimizer, factor: torch.Tensor) -> None:
         optimizer.grad_scale = inverse if scale is None else scale * inverse
 
 
-def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def after_step(optimizer: torch.optim.Optimizer) -> None:
     """Drop the ``grad_scale`` fxgrad set (a ``GradScaler`` drops its own)."""
     if optimizer in _SET_HERE:
         _SET_HERE.discard(optimizer)
