@@ -155,3 +155,23 @@ def test_a_compiled_module_is_explained_as_its_model():
     assert "compiler='aot_eager'" in str(report)
     with pytest.raises(TypeError, match=r"model must be an nn.Module, got function"):
         backend.compile(lambda x: x)
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_the_report_says_what_training_with_a_strict_backend_raises(strict):
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", strict=strict)
+    report = fxgrad.explain(Broken(), torch.randn(2, 4), backend=backend)
+    assert report.warnings and all("would see only part of its layers" in w for w in report.warnings)
+    assert report.raises == (report.warnings if strict else [])
+    assert ("raises CoverageError (strict=True)" in str(report)) == strict

@@ -195,6 +195,7 @@ class CoverageCheck:
     def __init__(self, transform: Transform, skip: tuple[SkipEntry, ...], strict: bool) -> None:
         self.transform, self.skip, self.strict = transform, skip, strict
         self._reported: set[str] = set()
+        self.fatal: list[str] = []  # what was reported that strict=True raises (explain's copy is not strict)
 
     def graph(self, registry: GraphRegistry, graph: CapturedGraph, plan: GraphPlan, has_grad: set[int]) -> None:
         """Compare ``plan`` with what the policy targets across the model; warn or raise."""
@@ -271,6 +272,8 @@ class CoverageCheck:
         ``strict``; warn once otherwise."""
         if fatal and self.strict:
             raise CoverageError(message)
+        if fatal:
+            self.fatal.append(message)
         self.warn(message)
 
     def compiled_autograd(self) -> None:

@@ -49,7 +49,8 @@ class Report:
     ``graphs``: the compiled graphs, each with ``backward_before``,
     ``backward_after`` (normalized code) and ``inserted`` (fxgrad's nodes only;
     inserted nodes are named ``fxgrad_*`` and tagged ``node.meta["fxgrad"]``).
-    ``warnings``: the coverage warnings training would show.
+    ``warnings``: the coverage warnings training would show; ``raises``: those of them that
+    training with this backend raises as :class:`~fxgrad.CoverageError` (``strict=True``).
     ``kernels``: with ``explain(..., kernels=True)``, the Inductor kernel launches of each
     backward graph (and of the step program in step scope), each with the fxgrad nodes
     and the model nodes it computes (:class:`~fxgrad.frontend.kernels.ProgramKernels`);
@@ -63,6 +64,7 @@ class Report:
     warnings: list[str]
     kernels: list[ProgramKernels] | None = None
     compiler: str = ""  # what compiled the graphs shown: Inductor with kernels=True, else the backend's
+    raises: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def backward_before(self) -> str:
@@ -119,8 +121,11 @@ class Report:
             f"{len(self.graphs)} compiled graph(s) (compiler={self.compiler!r}, scope={backend.scope!r}), "
             f"loss {self.loss.item():.6g}",
         ]
-        if self.warnings:
-            parts += ["", "warnings:"] + [f"  {w}" for w in self.warnings]
+        if self.raises:
+            parts += ["", "training with this backend raises CoverageError (strict=True) at the first of these:"]
+            parts += [f"  {w}" for w in self.raises]
+        if any(w not in self.raises for w in self.warnings):
+            parts += ["", "warnings:"] + [f"  {w}" for w in self.warnings if w not in self.raises]
         for i, graph in enumerate(self.graphs):
             if graph.inserted is not None:
                 parts += ["", f"inserted into backward graph {i}:", graph.inserted.rstrip()]
@@ -188,9 +193,12 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
                         probe.transform_grads(model)  # on this backward's gradients; _restored puts .grad back
         finally:
             probe.retire()
-    messages = [str(w.message) for w in caught if issubclass(w.category, CoverageWarning)]
+    messages = list(dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, CoverageWarning)))
     decisions = _decisions(model, probe, step_scope)
-    report = Report(backend, decisions, probe.graphs, loss.detach(), messages, compiler=probe.compiler)
+    fatal = probe._coverage.fatal if backend.strict and probe._coverage is not None else []
+    report = Report(
+        backend, decisions, probe.graphs, loss.detach(), messages, compiler=probe.compiler, raises=list(fatal)
+    )
     if collector is not None:
         report.kernels = collector.result(probe.graphs, stepped=step_scope is not None)
     return report
