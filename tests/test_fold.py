@@ -362,8 +362,13 @@ def test_a_second_step_on_the_same_gradients_applies_the_factor_once(scope):
     assert_same_weights(model, expected)
 
 
+@pytest.mark.parametrize(
+    "fused, reason",
+    [(True, "also steps 1 parameter(s) outside the models"), (False, "a parameter group without fused=True")],
+    ids=["outside parameter", "unfused group"],
+)
 @pytest.mark.parametrize("scope", SCOPES)
-def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_itself(scope):
+def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_itself(scope, fused, reason):
     """grad_scale would multiply every gradient the optimizer steps: a loss module's temperature,
     or a group added after fold() without fused=True, leave the factor to a pass of its own."""
     torch.manual_seed(0)
@@ -377,8 +382,8 @@ def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_
     expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, fused=True)
     for step in range(6):
         if step == 3:
-            optimizer.add_param_group({"params": [temperature], "fused": False})
-            expected_optimizer.add_param_group({"params": [expected_temperature], "fused": False})
+            optimizer.add_param_group({"params": [temperature], "fused": fused})
+            expected_optimizer.add_param_group({"params": [expected_temperature], "fused": fused})
         x = torch.randn(16, 8)
         for m, t, opt in ((compiled, temperature, optimizer), (expected, expected_temperature, expected_optimizer)):
             opt.zero_grad()
@@ -391,7 +396,7 @@ def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_
         said = [str(w.message) for w in caught if "fold(AdamW)" in str(w.message)]
         assert len(said) == (step == 3), said
         if said:
-            assert "a parameter group without fused=True" in said[0] and "in a pass of its own" in said[0]
+            assert reason in said[0] and "in a pass of its own" in said[0]
     assert_same_weights(model, expected)
     torch.testing.assert_close(temperature, expected_temperature, rtol=1e-6, atol=0)
 
