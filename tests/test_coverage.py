@@ -525,7 +525,7 @@ def test_parameters_replaced_by_load_state_dict_assign_are_followed(compile_with
         (
             fxgrad.by_type({nn.LayerNorm: fxgrad.clip_by_norm(1.0)}),
             fxgrad.DEFAULT_SKIP,
-            r"by_type key LayerNorm reaches no layer: the skip list leaves alone all it matches",
+            r"by_type key torch.nn.LayerNorm reaches no layer: the skip list leaves alone all it matches",
         ),
         (
             fxgrad.chain(fxgrad.monitor(), fxgrad.by_name({"*": fxgrad.rescale(), "*mlp*": fxgrad.clip_by_norm(1.0)})),

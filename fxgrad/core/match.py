@@ -67,5 +67,10 @@ def check_key(argument: str, key: Any, *, types: bool = True, patterns: bool = T
 
 
 def key_repr(key: Key) -> str:
-    """A type by its name, a pattern as a string literal: ``{Conv2d: 3.0, '*.q_proj': 1.3}``."""
-    return key.__name__ if isinstance(key, type) else repr(key)
+    """A type by its import path, ``torch.nn``'s by the public one, a pattern as a string
+    literal, so a ``repr`` evaluates back: ``{torch.nn.Conv2d: 3.0, '*.q_proj': 1.3}``."""
+    if not isinstance(key, type):
+        return repr(key)
+    if key.__module__.startswith("torch.nn.") and getattr(nn, key.__name__, None) is key:
+        return f"torch.nn.{key.__name__}"
+    return f"{key.__module__}.{key.__qualname__}"

@@ -10,7 +10,7 @@
     ...     "compiler": "aot_eager",
     ... })
     >>> backend.transform  # doctest: +NORMALIZE_WHITESPACE
-    chain(by_type({LSTM: clip_by_norm(max_norm=0.5)}, default=clip_by_norm(max_norm=1.0)),
+    chain(by_type({torch.nn.LSTM: clip_by_norm(max_norm=0.5)}, default=clip_by_norm(max_norm=1.0)),
           clip_by_global_norm(max_norm=5.0))
 
 Grammar:

@@ -2,7 +2,7 @@
 
     >>> import torch.nn as nn, fxgrad
     >>> fxgrad.by_type({nn.LSTM: fxgrad.clip_by_norm(0.5)}, default=fxgrad.clip_by_norm(1.0))
-    by_type({LSTM: clip_by_norm(max_norm=0.5)}, default=clip_by_norm(max_norm=1.0))
+    by_type({torch.nn.LSTM: clip_by_norm(max_norm=0.5)}, default=clip_by_norm(max_norm=1.0))
 
 Routers (``by_type``, ``by_name``) hand each non-skipped layer to the first
 matching entry, in mapping order; ``default`` gets the rest (``None`` leaves
@@ -118,7 +118,7 @@ def by_type(mapping: Mapping[type, Transform], default: Transform | None = None)
 
     >>> import torch.nn as nn, fxgrad
     >>> fxgrad.by_type({nn.Conv2d: fxgrad.rescale(alpha=0.5)})
-    by_type({Conv2d: rescale(alpha=0.5, target='mean')})
+    by_type({torch.nn.Conv2d: rescale(alpha=0.5, target='mean')})
     """
     return ByType(_entries("mapping", mapping, _module_type, default), _default(default))
 
