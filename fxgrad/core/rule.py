@@ -217,6 +217,15 @@ def call_repr(name: str, **kwargs: Any) -> str:
     return f"{name}({', '.join(f'{key}={value!r}' for key, value in kwargs.items())})"
 
 
+def listed(items: Sequence[str], limit: int) -> str:
+    """The first ``limit`` of ``items`` for a message, and how many more there are::
+
+    >>> listed(["a", "b", "c"], 2)
+    'a, b and 1 more'
+    """
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
 class _Verbatim(str):
     def __repr__(self) -> str:
         return str(self)

@@ -30,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat, passes
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry, validate_skip
-from fxgrad.core.rule import Transform
+from fxgrad.core.rule import Transform, listed
 from fxgrad.frontend import fold as folding
 from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_misses, refuse_flat_parameters
 from fxgrad.frontend.graphs import GraphRegistry
@@ -804,7 +804,7 @@ class Backend:
         owners = [f"{index}.{route.leaf.name}/" for index, route in enumerate(routes)]
         unknown = sorted(key for key in state if not isinstance(key, str) or not key.startswith(tuple(owners)))
         if unknown:
-            shown = ", ".join(map(repr, unknown[:5])) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            shown = listed(list(map(repr, unknown)), 5)
             raise ValueError(
                 f"state has keys no transform of {self.transform!r} owns: {shown}. Its keys start "
                 f"with <position>.<transform>/: {', '.join(owners) or 'none (no transform)'}"
@@ -817,7 +817,7 @@ class Backend:
         the load: a layer renamed (the model wrapped, or its modules moved), a statistic misspelt."""
         unplaced = self.store.pending()
         if unplaced:
-            shown = ", ".join(map(repr, unplaced[:5])) + (f" and {len(unplaced) - 5} more" if len(unplaced) > 5 else "")
+            shown = listed(list(map(repr, unplaced)), 5)
             warnings.warn(
                 f"fxgrad: {len(unplaced)} state entries given to load_state_dict() match no state of the policy "
                 f"{self.transform!r} at the first optimizer step after loading: {shown}. Their layers or "

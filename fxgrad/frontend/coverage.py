@@ -30,7 +30,7 @@ from fxgrad.core.layers import (
     build_layers,
     model_rows,
 )
-from fxgrad.core.rule import Route, Transform
+from fxgrad.core.rule import Route, Transform, listed
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import GraphPlan
 from fxgrad.passes.capture import CapturedGraph
@@ -221,14 +221,13 @@ class CoverageCheck:
         targeted = {name for route in self.transform.routes(frozen) for name in route.names}
         frozen_targeted = [layer for layer in frozen if layer.name in targeted]
         if frozen_targeted:
-            names = ", ".join(layer.name for layer in frozen_targeted[:20])
-            more = f" and {len(frozen_targeted) - 20} more" if len(frozen_targeted) > 20 else ""
+            names = listed([layer.name for layer in frozen_targeted], 20)
             count = (
                 "1 layer the policy targets is frozen (requires_grad=False) and gets"
                 if len(frozen_targeted) == 1
                 else f"{len(frozen_targeted)} layers the policy targets are frozen (requires_grad=False) and get"
             )
-            self.warn(f"fxgrad: {count} no gradient: {names}{more}")
+            self.warn(f"fxgrad: {count} no gradient: {names}")
 
     def _hooked(self, graph: CapturedGraph, plan: GraphPlan) -> None:
         """Gradient hooks on parameters the policy acts on run after it in graph scope."""

@@ -18,12 +18,11 @@ from typing import Any, Mapping, Sequence
 
 from fxgrad.core import match
 from fxgrad.core.layers import WHAT_IS_A_LAYER, Layer
-from fxgrad.core.rule import Route, Transform, check_transform
+from fxgrad.core.rule import Route, Transform, check_transform, listed
 
 
 def _names(layers: Sequence[Layer], limit: int = 3) -> str:
-    shown = ", ".join(layer.name for layer in layers[:limit])
-    return shown + (f" and {len(layers) - limit} more" if len(layers) > limit else "")
+    return listed([layer.name for layer in layers], limit)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
