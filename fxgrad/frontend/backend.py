@@ -138,7 +138,7 @@ class Backend:
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._factor_given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
         self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._met: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models step() or transform_grads() met
+        self._met: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models checked by _meet
         self._loaded = False  # load_state_dict() ran, and no optimizer step has checked what it placed
         if transform is not None:
             in_step = lambda: self.current_scope() == "step"  # noqa: E731
@@ -373,11 +373,10 @@ class Backend:
         """``model`` is compiled with this backend: learn its names, check the policy reaches it."""
         known = any(ref() is model for ref in self._models)
         if not known:
-            refuse_flat_parameters(model)
+            self._meet(model)
         hand_over(model, self)
         if known:
             return
-        self.check_policy_reaches(model)
         self._models.append(weakref.ref(model))
         self.registry.roots.setdefault(id(model), Root(weakref.ref(model), ""))
         if self._step_check is not None:
@@ -471,7 +470,7 @@ class Backend:
             return
         model = _unwrapped(model) if model is not None else None
         if model is not None and all(ref() is not model for ref in self._models):
-            self._meet(model)
+            self._meet(model, at_step=True)
             self._models.append(weakref.ref(model))  # later optimizer steps find it too
         models = [(model, "")] if model is not None else self._step_models()
         if not models:
@@ -598,7 +597,7 @@ class Backend:
         shape = tuple(len(group["params"]) for group in optimizer.param_groups)  # add_param_group changes it
         checked = self._fold_checks.get(optimizer)
         if checked is None or checked[0] != shape:
-            ours = self._step.ids(self._step.parameters(self._step_models()))
+            ours = self._our_ids()
             checked = self._fold_checks[optimizer] = shape, folding.step_fallback(optimizer, ours), ours
         if checked[1] is None:
             folding.give(optimizer, factor)
@@ -645,7 +644,7 @@ class Backend:
         """Refuse the step of an optimizer that is not folded while another is: it would apply the
         gradients of this backend's models without the global factor the policy left to the folded
         updates (two optimizers over one model, one of them folded)."""
-        ours = self._step.ids(self._step.parameters(self._step_models()))
+        ours = self._our_ids()
         stepped = [p for group in optimizer.param_groups for p in group["params"] if id(p) in ours]
         if any(p.grad is not None for p in stepped):
             raise ValueError(
@@ -654,6 +653,10 @@ class Backend:
                 "its global factor to the folded updates, so this one would apply unscaled gradients. Fold "
                 "every optimizer that steps the model (backend.fold(optimizer) for each), or none."
             )
+
+    def _our_ids(self) -> frozenset[int]:
+        """The ids of the parameters of the models this backend covers (the kept walk)."""
+        return self._step.ids(self._step.parameters(self._step_models()))
 
     def _check_folded_step(self, optimizer: torch.optim.Optimizer, factors: int, args: tuple, kwargs: dict) -> None:
         """Refuse a step of a folded optimizer whose gradients the folded factor does not describe
@@ -686,7 +689,7 @@ class Backend:
         """
         if self.transform is None:
             return
-        self._meet(model)
+        self._meet(model, at_step=True)
         models = [(model, "")]
         self._apply_to_grads(models, scaler, self._step.parameters(models))  # the kept walk: this runs every step
         if optimizer is not None and self._update_factors is not None:
@@ -700,18 +703,19 @@ class Backend:
             if owner is not None:
                 remove_optimizer_hooks(owner)
 
-    def _meet(self, model: nn.Module) -> None:
-        """Check a model :meth:`step` or :meth:`transform_grads` gets, the first time: refuse
-        flattened parameters, warn for policy keys that reach none of its layers (as compiling
-        it does), and warn if a module of it was compiled with another backend whose policy
-        transforms its gradients already (a Lightning module compiling its network with
-        ``fxgrad.backend(policy)``, and the callback given the policy too)."""
+    def _meet(self, model: nn.Module, at_step: bool = False) -> None:
+        """Check a model the first time this backend compiles it or runs the policy on it:
+        refuse flattened parameters, and warn for policy keys that reach none of its layers.
+        ``at_step`` (:meth:`step`, :meth:`transform_grads`): also warn if a module of it was
+        compiled with another backend whose policy transforms its gradients already (a
+        Lightning module compiling its network with ``fxgrad.backend(policy)``, and the
+        callback given the policy too)."""
         if model in self._met:
             return
         self._met.add(model)
         refuse_flat_parameters(model)
         self.check_policy_reaches(model)
-        name = policed_elsewhere(model, self)
+        name = policed_elsewhere(model, self) if at_step else None
         if name is not None:
             where = type(model).__name__ + (f".{_compat.module_path(name)}" if name else "")
             warnings.warn(
