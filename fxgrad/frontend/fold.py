@@ -74,7 +74,7 @@ def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scop
             "in graph scope, call fold() before the model's first forward: the backward graphs compiled "
             "so far apply the factor themselves"
         )
-    if not all(group.get("fused") for group in optimizer.param_groups):
+    if not _fused(optimizer):
         return (
             f"{type(optimizer).__name__} without fused=True has no grad_scale input: "
             "the step program applies the factor (pass fused=True to fold it)"
@@ -127,7 +127,7 @@ def step_fallback(optimizer: torch.optim.Optimizer, ours: frozenset[int]) -> str
     """Why this step of a folded ``optimizer`` cannot carry the factor in ``grad_scale``
     (``ours``: the ids of the backend's models' parameters), or ``None``: parameter groups
     can change after :func:`fallback` approved the optimizer."""
-    if not all(group.get("fused") for group in optimizer.param_groups):
+    if not _fused(optimizer):
         return "a parameter group without fused=True (added after fold()) has no grad_scale input"
     outside = sum(id(p) not in ours for group in optimizer.param_groups for p in group["params"])
     if outside:
@@ -136,6 +136,11 @@ def step_fallback(optimizer: torch.optim.Optimizer, ours: frozenset[int]) -> str
             "grad_scale would multiply by the factor too"
         )
     return None
+
+
+def _fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter group steps with the fused update, the one that reads ``grad_scale``."""
+    return all(group.get("fused") for group in optimizer.param_groups)
 
 
 def give(optimizer: torch.optim.Optimizer, factor: torch.Tensor) -> None:

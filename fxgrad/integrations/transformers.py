@@ -124,8 +124,10 @@ class FxgradTrainerCallback(TrainerCallback):
         self.check(args)
 
     def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if not args.should_save:  # another process of the job saves
+            return
         saved = self.backend.state_dict()
-        if saved and args.should_save:
+        if saved:
             folder = _checkpoint(args, state)
             os.makedirs(folder, exist_ok=True)
             torch.save(saved, os.path.join(folder, STATE_FILE))
