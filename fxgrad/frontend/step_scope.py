@@ -230,9 +230,9 @@ class StepScope:
         if not self._changed(params):
             return
         self.run(models, scaler, params)
-        self._seen.update(
-            {id(p): (weakref.ref(p.grad), _compat.tensor_version(p.grad)) for p in params if p.grad is not None}
-        )
+        have = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in have]
+        self._seen.update(zip(map(id, have), zip(map(weakref.ref, grads), map(_compat.tensor_version, grads))))
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self.active():
