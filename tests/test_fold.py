@@ -41,10 +41,20 @@ def assert_same_weights(actual, expected, rtol=1e-6):
 
 
 def train(
-    model, optimizer, steps, backend=None, reference=None, scaler=None, scheduler=None, nonfinite=(), unscale=False
+    model,
+    optimizer,
+    steps,
+    backend=None,
+    reference=None,
+    scaler=None,
+    scheduler=None,
+    nonfinite=(),
+    unscale=False,
+    closure=False,
 ):
     """``steps`` steps on fixed inputs; ``reference(model)`` edits the gradients when there is no backend;
-    ``unscale``: ``scaler.unscale_(optimizer)`` before ``scaler.step`` (to log the gradient's norm, say).
+    ``unscale``: ``scaler.unscale_(optimizer)`` before ``scaler.step`` (to log the gradient's norm, say);
+    ``closure``: the forward and backward in ``optimizer.step(closure)``, as Lightning steps.
 
     Steps after the first run under the no-sync trap with a backend and a fused optimizer
     (torch's foreach Adam reads its step counter on the host)."""
@@ -54,6 +64,18 @@ def train(
     for step in range(steps):
         x = torch.randn(16, 8, generator=gen)
         weight = float("inf") if step in nonfinite else 30.0  # large gradients: the clip acts
+        if closure:
+
+            def forward_backward(x=x, weight=weight):
+                optimizer.zero_grad()
+                loss = compiled(x).pow(2).mean() * weight
+                loss.backward()
+                if reference is not None:
+                    reference(model)
+                return loss
+
+            optimizer.step(forward_backward)
+            continue
         optimizer.zero_grad()
         with no_host_sync() if step and trapped else contextlib.nullcontext():
             loss = compiled(x).pow(2).mean() * weight
@@ -255,20 +277,24 @@ def test_optimizers_it_cannot_fold_are_refused():
     with pytest.raises(TypeError, match=r"\boptimizer\b must be a torch.optim.Optimizer"):
         backend.fold("adam")
 
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_a_closure_step_gets_the_factor_of_the_gradients_its_closure_computes(scope):
+    """``optimizer.step(closure)`` (Lightning) computes the gradients after the step's pre-hooks:
+    the policy runs, and the factor is given, when the closure returns."""
+    torch.manual_seed(0)
     model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
+    optimizer = OPTIMIZERS["adamw"](model.parameters(), fused=True)
     backend.fold(optimizer)
-    compiled = torch.compile(model, backend=backend)
-
-    def closure():
-        optimizer.zero_grad()
-        loss = compiled(torch.randn(4, 8)).sum()
-        loss.backward()
-        return loss
-
-    closure()
-    with pytest.raises(ValueError, match=r"fold: optimizer.step\(closure\)"):
-        optimizer.step(closure)
+    expected_optimizer = OPTIMIZERS["adamw"](expected.parameters(), fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no 'the policy did not run' for the pre-hook before the closure
+        train(model, optimizer, 5, backend=backend, closure=True)
+    train(expected, expected_optimizer, 5, reference=lambda m: ref.clip_global(m, 0.05), closure=True)
+    assert backend.stats()["folded_factor"].item() < 0.5
+    assert_same_weights(model, expected)
 
 
 @pytest.mark.parametrize("scope", SCOPES)

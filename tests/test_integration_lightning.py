@@ -39,9 +39,16 @@ def _data(batches: int) -> torch.utils.data.DataLoader:
 
 
 def _fit(
-    *, accumulate: int = 1, logger=False, log_every: int = 50, fused: bool = False, optimizer=None, **trainer_kwargs
+    *,
+    accumulate: int = 1,
+    logger=False,
+    log_every: int = 50,
+    fused: bool = False,
+    optimizer=None,
+    make=Regressor,
+    **trainer_kwargs,
 ) -> Regressor:
-    module = Regressor(fused, optimizer)
+    module = make(fused, optimizer)
     trainer = pl.Trainer(
         max_steps=STEPS,
         accelerator="cpu",
@@ -74,6 +81,24 @@ def test_global_clip_matches_gradient_clip_val(accumulate, precision):
     assert callback.backend.stats()["grad_norm/total"] > max_norm  # the clip was active
 
 
+class CompiledInside(Regressor):
+    """A module that compiles its network with a step-scope fxgrad backend itself, no callback."""
+
+    def configure_model(self) -> None:
+        backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.2), compiler="aot_eager", scope="step")
+        self.net = backend.compile(self.net)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_step_scope_backend_inside_the_module_matches_gradient_clip_val(accumulate):
+    """Lightning steps with optimizer.step(closure), the (last) backward inside the closure: the
+    backend's optimizer.step() hook runs the policy when the closure returns."""
+    reference = _fit(accumulate=accumulate, gradient_clip_val=0.2, gradient_clip_algorithm="norm")
+    ours = _fit(accumulate=accumulate, make=CompiledInside)
+    for name, weight in reference.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name.replace("net.", "net._orig_mod.")], weight, msg=name)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["unscaled_by_lightning", "fused_optimizer"])
 def test_global_clip_under_a_grad_scaler(fused):
     """Lightning unscales before on_before_optimizer_step, except for a fused optimizer (it unscales in its step):
@@ -93,8 +118,7 @@ def test_global_clip_under_a_grad_scaler(fused):
 
 def test_update_level_factor_is_the_layer_learning_rate_under_adamw():
     """apply_to="update" through the callback: the first layer's AdamW step is 3x, as a parameter
-    group with 3x the learning rate (Lightning's closure step fires optimizer.step()'s pre-hook
-    before the backward; the callback hands the optimizer over after the policy ran)."""
+    group with 3x the learning rate (the callback hands the optimizer over after the policy ran)."""
 
     def groups(module):
         first = list(module.net[0].parameters())

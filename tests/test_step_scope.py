@@ -153,6 +153,52 @@ def test_optimizer_step_applies_the_policy_once(compile_with):
     assert_grads_close(model, eager)
 
 
+def test_a_closure_step_applies_the_policy_to_what_its_closure_computes(compile_with):
+    """``optimizer.step(closure)`` runs the last micro-batch's backward inside the step, after
+    its pre-hooks (Lightning's automatic optimization with accumulate_grad_batches): the policy
+    runs when the closure returns, on the whole step's gradient, and stateful rules see each
+    step's gradient once."""
+    model, eager = mlp_and_copy()
+    backend = fxgrad.backend(fxgrad.autoclip(history=5), compiler="aot_eager", scope="step")
+    compiled = compile_with(backend, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+    reference = ref.AutoClip(90, 5, 0.1)
+    for _ in range(4):
+        first, last = torch.randn(4, 16), torch.randn(4, 16)
+        models.loss_of(compiled(first)).backward()
+        models.loss_of(eager(first)).backward()
+
+        def closure(x=last):
+            loss = models.loss_of(compiled(x))
+            loss.backward()
+            return loss
+
+        def eager_closure(x=last):
+            loss = models.loss_of(eager(x))
+            loss.backward()
+            reference.step(eager)
+            return loss
+
+        optimizer.step(closure)
+        eager_optimizer.step(eager_closure)
+        assert_grads_close(model, eager)
+        optimizer.zero_grad()
+        eager_optimizer.zero_grad()
+    assert_grads_close(model, eager)
+    torch.testing.assert_close(list(model.parameters()), list(eager.parameters()))
+    assert backend.state_dict()["0.autoclip/count"].item() == 4
+
+
+def test_accumulating_under_graph_scope_is_flagged_in_a_closure_step():
+    model = models.MLP()
+    compiled = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager").compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    models.loss_of(compiled(torch.randn(4, 16))).backward()
+    with pytest.warns(fxgrad.CoverageWarning, match="scope='step'"):
+        optimizer.step(lambda: models.loss_of(compiled(torch.randn(4, 16))).backward())
+
+
 def test_optimizer_step_after_grad_scaler_unscale(compile_with):
     model, eager = mlp_and_copy()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)

@@ -38,6 +38,7 @@ from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
 from fxgrad.frontend.step_check import (
     StepCheck,
+    after_closure,
     hand_over,
     policed_elsewhere,
     remove_optimizer_hooks,
@@ -516,8 +517,8 @@ class Backend:
             return
         if optimizer not in self._folded:
             self._folded[optimizer] = self._applied[optimizer] = self._factors_left()
-            # After the global hooks that give the factor; eager, like them, in a compiled step.
-            optimizer.register_step_pre_hook(torch.compiler.disable(self._folded_step))
+            # After the global hooks that give the factor (and after a closure, like them).
+            optimizer.register_step_pre_hook(after_closure(self._folded_step))
             optimizer.register_step_post_hook(torch.compiler.disable(self._folded_step_done))
         if scope == "step":
             self._step.arm()
@@ -553,7 +554,7 @@ class Backend:
         else:
             self._summed[param] = message
 
-    def _before_update(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Before the step of an optimizer of this backend's models, once the policy ran: warn if
         the update cancels the policy or steps gradients accumulated over backward passes in graph
         scope (plain path), keep the weights that update-level factors scale the change of, and
@@ -581,7 +582,7 @@ class Backend:
         if folded:
             count = self._factors_left()
             factors, self._folded[optimizer] = count - self._folded[optimizer], count
-            self._check_folded_step(optimizer, factors, args, kwargs)  # first: a refused step keeps no weight copy
+            self._check_folded_step(factors)  # first: a refused step keeps no weight copy
         if self._update_factors is not None:
             self._update_factors.before_step(optimizer)
         if folded:
@@ -623,7 +624,7 @@ class Backend:
         self._applied[optimizer] = self._folded[optimizer]
         folding.after_step(optimizer)
 
-    def _folded_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _folded_step(self, optimizer: torch.optim.Optimizer) -> None:
         """A folded optimizer steps: say once if the policy gave it no factor (a silent no-op)."""
         if optimizer in self._factor_given:
             self._factor_given.discard(optimizer)
@@ -658,22 +659,15 @@ class Backend:
         """The ids of the parameters of the models this backend covers (the kept walk)."""
         return self._step.ids(self._step.parameters(self._step_models()))
 
-    def _check_folded_step(self, optimizer: torch.optim.Optimizer, factors: int, args: tuple, kwargs: dict) -> None:
+    def _check_folded_step(self, factors: int) -> None:
         """Refuse a step of a folded optimizer whose gradients the folded factor does not describe
         (``factors``: how many the policy left since its last step)."""
-        if self.current_scope() == "graph":
-            if factors > 1:
-                raise ValueError(
-                    f"fold in graph scope: {factors} backward passes through the compiled graphs since the last "
-                    "step (accumulated micro-batches, a graph break, retain_graph): each applied its own factor, "
-                    "which one grad_scale cannot hold. Use fxgrad.backend(..., scope='step'), which applies the "
-                    "factor of the whole step's gradient, or do not fold."
-                )
-        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args: (optimizer, *step's args)
-        if closure is not None:
+        if self.current_scope() == "graph" and factors > 1:
             raise ValueError(
-                "fold: optimizer.step(closure) computes the gradients after fxgrad's policy ran on the old "
-                "ones; step without a closure, or do not fold this optimizer"
+                f"fold in graph scope: {factors} backward passes through the compiled graphs since the last "
+                "step (accumulated micro-batches, a graph break, retain_graph): each applied its own factor, "
+                "which one grad_scale cannot hold. Use fxgrad.backend(..., scope='step'), which applies the "
+                "factor of the whole step's gradient, or do not fold."
             )
 
     def transform_grads(

@@ -123,15 +123,15 @@ def handed_back(model: nn.Module) -> Iterator[None]:
             _NEWEST[model] = before
 
 
-def optimizer_pre_hook(owner: Any, method: Callable[[Any, torch.optim.Optimizer, tuple, dict], None]) -> None:
-    """Call ``method(owner, optimizer, args, kwargs)`` before every ``optimizer.step(*args, **kwargs)``
-    while ``owner`` lives (it is held weakly)."""
+def optimizer_pre_hook(owner: Any, method: Callable[[Any, torch.optim.Optimizer], None]) -> None:
+    """Call ``method(owner, optimizer)`` before every ``optimizer.step()`` updates the weights
+    (after its closure, if it has one) while ``owner`` lives (it is held weakly)."""
     _BEFORE.add(owner, method)
 
 
-def optimizer_post_hook(owner: Any, method: Callable[[Any, torch.optim.Optimizer, tuple, dict], None]) -> None:
-    """Call ``method(owner, optimizer, args, kwargs)`` after every ``optimizer.step(*args, **kwargs)``
-    while ``owner`` lives (it is held weakly)."""
+def optimizer_post_hook(owner: Any, method: Callable[[Any, torch.optim.Optimizer], None]) -> None:
+    """Call ``method(owner, optimizer)`` after every ``optimizer.step()`` while ``owner`` lives
+    (it is held weakly)."""
     _AFTER.add(owner, method)
 
 
@@ -141,17 +141,46 @@ def remove_optimizer_hooks(owner: Any) -> None:
         hook.owners.pop(owner, None)
 
 
+def after_closure(hook: Callable[[torch.optim.Optimizer], None]) -> Callable[..., tuple[tuple, dict] | None]:
+    """An ``optimizer.step()`` pre-hook that calls ``hook(optimizer)`` once the gradients are final.
+
+    ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS-style loops) runs the
+    forward and backward inside the closure, after the pre-hooks: then ``hook`` runs when the
+    closure returns (on each call of it), before the update reads the gradients. It runs
+    eagerly when Dynamo compiles ``optimizer.step()`` (a train step compiled whole): fxgrad's
+    bookkeeping is not for tracing::
+
+        optimizer.register_step_pre_hook(after_closure(check))
+    """
+    eager = torch.compiler.disable(hook)
+
+    def pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args: (optimizer, *step's args)
+        if closure is None:
+            eager(optimizer)
+            return None
+
+        def closure_then_hook() -> Any:
+            loss = closure()
+            eager(optimizer)
+            return loss
+
+        if len(args) > 1:
+            return (args[0], closure_then_hook, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_then_hook}
+
+    return torch.compiler.disable(pre_hook)
+
+
 class _GlobalHook:
     """One global optimizer-step hook serving every owner, over a copy of the live ones.
 
     A hook per owner, removed when the owner is collected, would change torch's hook
     dict while it runs them whenever a collection falls inside ``optimizer.step()``
-    ("OrderedDict mutated during iteration"; the fuzzer found it). It runs eagerly when
-    Dynamo compiles ``optimizer.step()`` (a train step compiled whole): fxgrad's
-    bookkeeping is not for tracing.
+    ("OrderedDict mutated during iteration"; the fuzzer found it).
     """
 
-    def __init__(self, register: Callable[[Callable], Any]) -> None:
+    def __init__(self, register: Callable[[Callable[[torch.optim.Optimizer], None]], Any]) -> None:
         self.register = register
         self.owners: weakref.WeakKeyDictionary[Any, Callable] = weakref.WeakKeyDictionary()
         self.registered = False
@@ -159,16 +188,20 @@ class _GlobalHook:
     def add(self, owner: Any, method: Callable) -> None:
         if not self.registered:
             self.registered = True
-            self.register(torch.compiler.disable(self.run))
+            self.register(self.run)
         self.owners[owner] = method
 
-    def run(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def run(self, optimizer: torch.optim.Optimizer) -> None:
         for owner, method in list(self.owners.items()):
-            method(owner, optimizer, args, kwargs)
+            method(owner, optimizer)
 
 
-_BEFORE = _GlobalHook(register_optimizer_step_pre_hook)
-_AFTER = _GlobalHook(register_optimizer_step_post_hook)
+_BEFORE = _GlobalHook(lambda run: register_optimizer_step_pre_hook(after_closure(run)))
+_AFTER = _GlobalHook(
+    lambda run: register_optimizer_step_post_hook(
+        torch.compiler.disable(lambda optimizer, args, kwargs: run(optimizer))
+    )
+)
 
 
 @dataclasses.dataclass
@@ -188,7 +221,7 @@ class StepCheck:
     those that ``backend.compile`` watches at each forward, ``backwards()``
     counts backward passes through the backend's graphs, ``in_graph()``
     tells whether the policy runs in the backward graphs now, and
-    ``before_update(optimizer, args, kwargs)`` runs before the step of an
+    ``before_update(optimizer)`` runs before the step of an
     optimizer that steps parameters of the backend's graphs.
     """
 
@@ -201,7 +234,7 @@ class StepCheck:
         watched: weakref.WeakSet,
         backwards: Callable[[], int],
         in_graph: Callable[[], bool],
-        before_update: Callable[[torch.optim.Optimizer, tuple, dict], None],
+        before_update: Callable[[torch.optim.Optimizer], None],
     ) -> None:
         self.owner = weakref.ref(owner)
         self.registry, self.coverage, self.models, self.watched = registry, coverage, models, watched
@@ -222,7 +255,7 @@ class StepCheck:
         self._counting = self._counting or found
         return found
 
-    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.in_graph():
             return
         probe, unheld = None, []  # the first held parameter with a gradient; the others' ids
@@ -235,7 +268,7 @@ class StepCheck:
                 elif probe is None:
                     probe = p
         if probe is not None:
-            self.before_update(optimizer, args, kwargs)
+            self.before_update(optimizer)
         seen = self._seen.setdefault(optimizer, _Seen())
         if unheld and frozenset(unheld) != seen.unheld:
             seen.unheld = frozenset(unheld)

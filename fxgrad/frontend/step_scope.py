@@ -199,7 +199,7 @@ class StepScope:
     After :meth:`arm`, a global ``optimizer.step()`` pre-hook runs it for
     optimizers that step these models' parameters while ``active()`` (``scope="auto"``
     is step scope only in a data-parallel job), unless :meth:`apply` already ran on the
-    current gradients, then calls ``after(optimizer, args, kwargs)`` (the optimizer
+    current gradients, then calls ``after(optimizer)`` (the optimizer
     fold hands its factor over there).
     """
 
@@ -208,7 +208,7 @@ class StepScope:
         models: Models,
         run: Callable[[list, Any, list], None],
         scaler: Any,
-        after: Callable[[torch.optim.Optimizer, tuple, dict], None],
+        after: Callable[[torch.optim.Optimizer], None],
         active: Callable[[], bool],
     ) -> None:
         self.models, self.run, self.scaler, self.after, self.active = models, run, scaler, after, active
@@ -234,7 +234,7 @@ class StepScope:
         grads = [p.grad for p in have]
         self._seen.update(zip(map(id, have), zip(map(weakref.ref, grads), map(_compat.tensor_version, grads))))
 
-    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.active():
             return
         models = self.models()
@@ -248,7 +248,7 @@ class StepScope:
             return
         unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
         self.apply(models, None if unscaled else self.scaler, params)
-        self.after(optimizer, args, kwargs)
+        self.after(optimizer)
 
     def parameters(self, models: list[tuple[nn.Module, str]]) -> tuple[nn.Parameter, ...]:
         """``models``' parameters, each once (walked again only when a model changed)."""

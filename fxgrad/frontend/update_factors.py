@@ -64,7 +64,7 @@ class UpdateFactors:
         if copies:
             self._before[optimizer] = copies
 
-    def after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         copies = self._before.pop(optimizer, None)
         if not copies:
             return

@@ -73,9 +73,8 @@ class FxgradCallback(pl.Callback):
             raise TypeError(
                 f"policy must be an fxgrad transform such as fxgrad.clip_by_global_norm(1.0), got {policy!r}"
             )
-        # Step scope, run from on_before_optimizer_step by transform_grads, not backend.step(module): that
-        # would register the module for fxgrad's optimizer.step() pre-hook, which Lightning's closure-based
-        # step fires before the backward (and, with accumulate_grad_batches, on the partial sum).
+        # Step scope, run from on_before_optimizer_step by transform_grads: the hook Lightning gives for
+        # code that reads the final gradients, whatever optimizer (or strategy) then steps.
         self.backend = Backend(policy, skip=skip, compiler=compiler, scope="step")
         self.stats = check_stats(stats)
         self.prefix = check_prefix(prefix)
