@@ -276,3 +276,52 @@ def test_no_gradient_outlives_its_step(compiler, fold):
     gc.collect()
     assert not [ref for ref in alive if ref() is not None]
     assert not backend._update_factors._before  # the weight copies went with the step
+
+
+@pytest.mark.parametrize("scope", ["step", "graph"])
+def test_a_backend_goes_with_its_model(compile_with, scope):
+    """Nothing keeps a backend and its model alive once both are dropped (a sweep builds one of
+    each per run): the parameters' gradient hooks hold the backend weakly, and step scope's
+    parameter walk holds the parameters."""
+    import gc
+    import weakref
+
+    from fxgrad import _compat
+
+    def run():
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.1), compiler="aot_eager", scope=scope)
+        compiled = compile_with(backend, model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            models.loss_of(compiled(torch.randn(4, 16))).backward()
+            optimizer.step()
+        return weakref.ref(backend), weakref.ref(model[0].weight)
+
+    refs = run()
+    _compat.reset_dynamo()  # Dynamo's cache holds the compiled frames, and with them the backend
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]
+
+
+def test_a_new_model_at_a_dead_models_id_is_walked_afresh():
+    """CPython gives a new object the id of a freed one: the parameter walk kept for the dead
+    model must not stand for the new one (the policy would run on the dead model's gradients)."""
+    import gc
+
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.1), compiler="aot_eager", scope="step")
+    model = models.MLP()
+    models.loss_of(model(torch.randn(4, 16))).backward()
+    backend.step(model)
+    dead = id(model)
+    del model
+    gc.collect()
+    shells = [models.MLP.__new__(models.MLP) for _ in range(10_000)]  # until one lands on the freed id
+    reused = next((shell for shell in shells if id(shell) == dead), None)
+    if reused is None:
+        pytest.skip("CPython did not reuse the id")
+    models.MLP.__init__(reused)
+    models.loss_of(reused(torch.randn(4, 16))).backward()
+    backend.step(reused)
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reused.parameters()]))
+    assert norm.item() == pytest.approx(0.1, rel=1e-5)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Iterable, NamedTuple, Sequence
 
 import torch.nn as nn
@@ -125,19 +126,19 @@ class ModelParameters:
     """
 
     def __init__(self) -> None:
-        self._key: tuple = ()
+        self._models: tuple[weakref.ref, ...] = ()  # weakly: a new model can take a dead one's id
         self._sizes: list[tuple[dict, int]] = []  # each module's _parameters and _modules, and its size
         self._slots: list[tuple[dict, str, object]] = []  # (one of those dicts, name, value)
         self._params: tuple[nn.Parameter, ...] = ()
 
     def __call__(self, models: Sequence[nn.Module]) -> tuple[nn.Parameter, ...]:
-        key = tuple(id(model) for model in models)
         if (
-            key != self._key
+            len(models) != len(self._models)
+            or any(ref() is not model for ref, model in zip(self._models, models))
             or any(len(slots) != size for slots, size in self._sizes)
             or any(slots.get(name) is not value for slots, name, value in self._slots)
         ):
-            self._key, self._sizes, self._slots, params = key, [], [], {}
+            self._models, self._sizes, self._slots, params = tuple(map(weakref.ref, models)), [], [], {}
             for model in models:
                 for module in model.modules():
                     for slots in (module._modules, module._parameters):
@@ -146,6 +147,10 @@ class ModelParameters:
             self._slots = [(slots, name, value) for slots, _ in self._sizes for name, value in slots.items()]
             self._params = tuple(params.values())
         return self._params
+
+    def alive(self) -> bool:
+        """Whether the models last walked all live."""
+        return all(ref() is not None for ref in self._models)
 
 
 def _join(prefix: str, name: str) -> str:

@@ -253,9 +253,8 @@ class StepScope:
     def parameters(self, models: list[tuple[nn.Module, str]]) -> tuple[nn.Parameter, ...]:
         """``models``' parameters, each once (walked again only when a model changed)."""
         key = tuple(id(model) for model, _ in models)
-        if key not in self._walks:
-            if len(self._walks) >= 8:  # the walks hold their models: forget those of models gone
-                self._walks.clear()
+        if key not in self._walks:  # a new walk: forget those of models gone, which hold their parameters
+            self._walks = {key: walk for key, walk in self._walks.items() if walk.alive()}
             self._walks[key] = ModelParameters()
         return self._walks[key]([model for model, _ in models])
 

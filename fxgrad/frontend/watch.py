@@ -59,6 +59,22 @@ BYPASSED = (
 )
 
 
+def hook_weakly(param: nn.Parameter, method: Callable[[nn.Parameter], None]) -> None:
+    """Call ``method(param)`` after each backward writes ``param.grad``, while ``method``'s object lives.
+
+    The collector does not look through a parameter's hooks while C++ holds the parameter
+    too (autograd does), so a hook holding its object strongly, which holds the model, would
+    keep both alive for good."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(tensor: nn.Parameter) -> None:
+        live = ref()
+        if live is not None:
+            live(tensor)
+
+    param.register_post_accumulate_grad_hook(hook)
+
+
 @dataclasses.dataclass
 class _Shared:
     """What the compiled modules of one model share, whatever their backend or scope."""
@@ -108,7 +124,7 @@ class GradWrites:
         """Follow the backward writes of ``param.grad`` from now on (again: a no-op)."""
         if param not in self._versions:
             self._versions[param] = None
-            param.register_post_accumulate_grad_hook(self._written)
+            hook_weakly(param, self._written)
 
     def reaches(self, param: nn.Parameter, model: str) -> None:
         """The running backward pass reached a call of ``model``'s compiled forward holding ``param``."""
@@ -207,7 +223,7 @@ class ForwardWatch:
 
     def _watch_probe(self) -> None:
         self._writes.watch(self._probe)
-        self._probe.register_post_accumulate_grad_hook(self._check_bypass)
+        hook_weakly(self._probe, self._check_bypass)
 
     def _check_bypass(self, param: nn.Parameter) -> None:
         if param is not self._probe:  # replaced since
