@@ -111,22 +111,43 @@ def test_update_level_factor_acts_through_the_trainer(tmp_path):
     assert (weights[1][name] - plain.state_dict()[name]).abs().max() > 1e-3
 
 
+RESUMED_POLICY = fxgrad.chain(fxgrad.autoclip(percentile=50.0, history=8), fxgrad.zclip(warmup=2, max_norm=None))
+
+
+def _train_for_resume(model, out, resume_from=None, **arguments):
+    args = _args(out, max_steps=4, save_strategy="steps", save_steps=2, **arguments)
+    compiled, callback = prepare(model, RESUMED_POLICY, args, compiler="aot_eager")
+    Trainer(model=compiled, args=args, train_dataset=_data(), callbacks=[callback]).train(
+        resume_from_checkpoint=resume_from
+    )
+    return callback.backend.state_dict()
+
+
 def test_resuming_from_a_checkpoint_restores_the_policys_state(tmp_path):
-    """The Trainer saves and restores only what it knows; the callback adds the backend's state."""
-    policy = fxgrad.chain(fxgrad.autoclip(percentile=50.0, history=8), fxgrad.zclip(warmup=2, max_norm=None))
+    """The Trainer saves and restores only what it knows; the callback adds the backend's."""
     base = _gpt2()
+    straight = _train_for_resume(copy.deepcopy(base), tmp_path / "straight")
+    _train_for_resume(copy.deepcopy(base), tmp_path / "first")
+    checkpoint = str(tmp_path / "first/checkpoint-2")
+    for out, arguments in [("first", {}), ("elsewhere", {"resume_from_checkpoint": checkpoint})]:
+        resumed = _train_for_resume(copy.deepcopy(base), tmp_path / out, resume_from=checkpoint, **arguments)
+        assert straight.keys() == resumed.keys()
+        for key, value in straight.items():
+            torch.testing.assert_close(resumed[key], value, msg=key)
+        assert resumed["0.autoclip/count"].item() == 4
 
-    def train(model, out, **kwargs):
-        args = _args(out, max_steps=4, save_strategy="steps", save_steps=2)
-        compiled, callback = prepare(model, policy, args, compiler="aot_eager")
-        Trainer(model=compiled, args=args, train_dataset=_data(), callbacks=[callback]).train(**kwargs)
-        return callback.backend.state_dict()
 
-    straight = train(copy.deepcopy(base), tmp_path / "straight")
-    resumed_model = copy.deepcopy(base)
-    train(copy.deepcopy(base), tmp_path / "resumed")
-    resumed = train(resumed_model, tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "resumed/checkpoint-2"))
-    assert straight.keys() == resumed.keys()
-    for key, value in straight.items():
-        torch.testing.assert_close(resumed[key], value, msg=key)
-    assert resumed["0.autoclip/count"].item() == 4
+def test_a_resume_that_finds_no_state_of_its_own_says_it_starts_over(tmp_path):
+    """Resumed into another output_dir: no state there (warned after the first step, once the policy
+    shows it keeps state), or another run's checkpoint at the same step (warned, not loaded)."""
+    base = _gpt2()
+    _train_for_resume(copy.deepcopy(base), tmp_path / "first")
+    other = copy.deepcopy(base)
+    with torch.no_grad():
+        other.lm_head.weight.add_(0.01)  # another run: other weights at the same step
+    _train_for_resume(other, tmp_path / "other")
+    checkpoint = str(tmp_path / "first/checkpoint-2")
+    with pytest.warns(RuntimeWarning, match="started over"):
+        _train_for_resume(copy.deepcopy(base), tmp_path / "fresh", resume_from=checkpoint)
+    with pytest.warns(RuntimeWarning, match="saved with other weights"):
+        _train_for_resume(copy.deepcopy(base), tmp_path / "other", resume_from=checkpoint)

@@ -54,8 +54,9 @@ class FxgradTrainerCallback(TrainerCallback):
 
     Each checkpoint the Trainer saves gets the backend's state (``fxgrad_state.pt``: autoclip's history,
     zclip's statistics, ...), and ``trainer.train(resume_from_checkpoint=...)`` loads it back from
-    ``<output_dir>/checkpoint-<step>``; a resumed run whose checkpoint has none warns that the policy's state
-    starts over.
+    ``<output_dir>/checkpoint-<step>`` or ``TrainingArguments.resume_from_checkpoint``, if it was saved with
+    the weights the Trainer resumed from. A resumed run that finds none, or only another run's, warns that
+    the policy's state starts over.
 
     When the Trainer is built it raises ``ValueError`` naming a setting that conflicts with the policy (see
     :func:`prepare`). Usually made by :func:`prepare`::
@@ -69,6 +70,7 @@ class FxgradTrainerCallback(TrainerCallback):
         self.backend = backend
         self.stats = check_stats(stats)
         self.prefix = check_prefix(prefix)
+        self._resumed_without: tuple[int, str] | None = None  # a resumed run's step and where no state was
 
     def check(self, args: TrainingArguments) -> None:
         """Raise ``ValueError`` naming the first setting of ``args`` that conflicts with the backend."""
@@ -130,22 +132,44 @@ class FxgradTrainerCallback(TrainerCallback):
         if saved:
             folder = _checkpoint(args, state)
             os.makedirs(folder, exist_ok=True)
-            torch.save(saved, os.path.join(folder, STATE_FILE))
+            torch.save({"state": saved, "weights": _fingerprint(kwargs["model"])}, os.path.join(folder, STATE_FILE))
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        self._resumed_without = None
         if state.global_step == 0:  # not resumed
             return
-        path = os.path.join(_checkpoint(args, state), STATE_FILE)
-        if os.path.exists(path):
-            self.backend.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        elif self.backend.state_dict():
+        # The Trainer tells callbacks the step it resumed at, not the checkpoint it loaded: look where it
+        # saves, and where TrainingArguments(resume_from_checkpoint=...) points (HF's example scripts set it).
+        folders = dict.fromkeys(f for f in (args.resume_from_checkpoint, _checkpoint(args, state)) if f)
+        weights = _fingerprint(kwargs["model"])
+        for path in (os.path.join(folder, STATE_FILE) for folder in folders):
+            if not os.path.exists(path):
+                continue
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            if torch.equal(saved["weights"], weights):
+                self.backend.load_state_dict(saved["state"])
+                return
             warnings.warn(
-                f"fxgrad: the Trainer resumed at step {state.global_step}, and {path} does not exist: the policy's "
-                "state (autoclip's history, zclip's statistics, ...) starts over. Load it yourself before "
-                "train(): callback.backend.load_state_dict(torch.load(<checkpoint>/fxgrad_state.pt))",
+                f"fxgrad: {path} was saved with other weights than those the Trainer resumed from (another run's "
+                "checkpoint at the same step?): not loaded",
                 RuntimeWarning,
                 stacklevel=2,
             )
+        self._resumed_without = (state.global_step, " or ".join(folders))
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        # Whether the policy keeps state shows once it ran: say then that a resumed run's starts over.
+        if self._resumed_without is not None and self.backend.state_dict():
+            step, folders = self._resumed_without
+            warnings.warn(
+                f"fxgrad: the Trainer resumed at step {step}, and no {STATE_FILE} of that checkpoint was found in "
+                f"{folders}: the policy's state (autoclip's history, zclip's statistics, ...) started over. Set "
+                "TrainingArguments(resume_from_checkpoint=<checkpoint>), or load it before train(): "
+                f"callback.backend.load_state_dict(torch.load('<checkpoint>/{STATE_FILE}')['state'])",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._resumed_without = None
 
     def on_log(self, args: TrainingArguments, state: Any, control: Any, logs: dict | None = None, **kwargs) -> None:
         if logs is None or "loss" not in logs:  # evaluation and end-of-training entries
@@ -209,6 +233,13 @@ STATE_FILE = "fxgrad_state.pt"
 def _checkpoint(args: TrainingArguments, state: Any) -> str:
     """The folder the Trainer saves the checkpoint of ``state.global_step`` in."""
     return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+
+def _fingerprint(model: nn.Module) -> torch.Tensor:
+    """The sum of each parameter, in float64 on the CPU: a checkpoint's weights, told apart from
+    another run's at the same step (one pass over the weights, at checkpoints only)."""
+    with torch.no_grad():
+        return torch.stack([p.detach().to(torch.float64).sum() for p in model.parameters()]).cpu()
 
 
 def _default(args: TrainingArguments, name: str) -> Any:
