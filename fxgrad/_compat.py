@@ -478,11 +478,14 @@ def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:
     return scaler._scale
 
 
-def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``scaler.unscale_(optimizer)`` already ran in this iteration."""
+def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer | None = None) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` (of any optimizer, for ``None``) already ran in this
+    iteration."""
     from torch.amp.grad_scaler import OptState
 
-    return scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.READY
+    states = scaler._per_optimizer_states
+    stages = [states[id(optimizer)]["stage"]] if optimizer is not None else [s["stage"] for s in states.values()]
+    return any(stage is not OptState.READY for stage in stages)
 
 
 def module_path(name: str) -> str:

@@ -212,6 +212,22 @@ def test_optimizer_step_after_grad_scaler_unscale(compile_with):
     assert_grads_close(model, eager)
 
 
+def test_step_after_grad_scaler_unscale():
+    """backend.step() after scaler.unscale_(optimizer) (to log the norm, say) sees unscaled values."""
+    model, eager = mlp_and_copy()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step", scaler=scaler)
+    x = torch.randn(8, 16)
+    scaler.scale(models.loss_of(backend.compile(model)(x))).backward()
+    scaler.unscale_(optimizer)
+    backend.step()
+    scaler.step(optimizer)
+    models.loss_of(eager(x)).backward()
+    ref.clip_global(eager, 1e-3)
+    assert_grads_close(model, eager)
+
+
 def test_other_optimizers_are_left_alone(compile_with):
     model, other = models.MLP(), models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager", scope="step")

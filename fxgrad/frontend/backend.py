@@ -457,9 +457,9 @@ class Backend:
         """Apply the policy to the current ``.grad`` (step scope), once per optimizer step.
 
         Call it after the last ``backward()`` of the step (DDP has averaged the
-        gradients by then) and, with a ``GradScaler``, before
-        ``scaler.unscale_``. Optional when a ``torch.optim`` optimizer steps the
-        model: ``optimizer.step()`` runs it if it has not run on these gradients.
+        gradients by then); with a ``GradScaler``, before or after ``scaler.unscale_``.
+        Optional when a ``torch.optim`` optimizer steps the model: ``optimizer.step()``
+        runs it if it has not run on these gradients.
         ``model`` defaults to every model this backend compiled or stepped
         before. No host sync; see :mod:`fxgrad.step`.
         """
@@ -477,7 +477,8 @@ class Backend:
         if not models:
             raise RuntimeError("step() has no model: pass step(model), or compile one with this backend first")
         self._step.arm()
-        self._step.apply(models, self.scaler)
+        unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler)  # called after unscale_
+        self._step.apply(models, None if unscaled else self.scaler)
 
     def fold(self, optimizer: torch.optim.Optimizer) -> None:
         """Let ``optimizer``'s own update apply the policy's final factor (no pass over the gradients).
