@@ -415,6 +415,20 @@ def test_a_checkpoint_of_renamed_layers_is_reported_and_a_failed_load_changes_no
     with pytest.raises(ValueError, match="has shape"):
         backend.load_state_dict({"1.autoclip/threshold": torch.tensor(123.0), "1.autoclip/history": torch.zeros(3)})
     assert backend.state_dict()["1.autoclip/threshold"] == threshold  # all or nothing
+    before = backend.state_dict()
+    history = state["1.autoclip/history"]
+    bad = [
+        (TypeError, "real floating-point", history.to(torch.complex64)),
+        (TypeError, "real floating-point", history.to(torch.int64)),
+        (ValueError, "meta tensor", history.to("meta")),
+    ]
+    for error, message, value in bad:  # checked before anything is copied, placed or not
+        for target in (backend, fxgrad.backend(fxgrad.chain(fxgrad.monitor(), fxgrad.autoclip(history=6)))):
+            with pytest.raises(error, match=message):
+                target.load_state_dict({**state, "1.autoclip/history": value})
+    after = backend.state_dict()
+    assert all(torch.equal(after[key], value) for key, value in before.items())
+    backend.load_state_dict({**state, "1.autoclip/history": history.clone().requires_grad_()})
     backend.load_state_dict(state)
     optimizer.zero_grad()
     models.loss_of(compiled(torch.randn(4, 16))).backward()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -280,15 +280,13 @@ class StateStore:
         every value is checked before any is copied."""
         live = self.values()
         for key, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"state {key!r} must be a tensor, got {type(value).__name__}")
-            if key in live:
-                _loaded(key, value, tuple(live[key].shape))
-        for key, value in state.items():
-            if key in live:
-                live[key].copy_(value)
-            else:
-                self._pending[key] = value.clone()
+            _loaded(key, value, tuple(live[key].shape) if key in live else None)
+        with torch.no_grad():
+            for key, value in state.items():
+                if key in live:
+                    live[key].copy_(value)
+                else:
+                    self._pending[key] = value.detach().clone()
 
     def pending(self) -> list[str]:
         """Keys loaded that no compiled transform has placed (yet)."""
@@ -296,9 +294,16 @@ class StateStore:
         return [key for key in self._pending if key not in live]
 
 
-def _loaded(key: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A checkpoint's ``value`` for entry ``key``, which has ``shape`` in this policy."""
-    if tuple(value.shape) != tuple(shape):
+def _loaded(key: str, value: Any, shape: tuple[int, ...] | None) -> torch.Tensor:
+    """A checkpoint's ``value`` for entry ``key``, which has ``shape`` in this policy (``None``:
+    not placed yet), checked: state is real floating point, with data."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"state {key!r} must be a tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"state {key!r} must be a real floating-point tensor, got dtype {value.dtype}")
+    if value.is_meta:
+        raise ValueError(f"state {key!r} is a meta tensor, which holds no values")
+    if shape is not None and tuple(value.shape) != tuple(shape):
         raise ValueError(
             f"state {key!r} has shape {tuple(value.shape)} in the checkpoint but {tuple(shape)} in "
             "this policy (a history or warm-up of another length?)"
