@@ -60,7 +60,8 @@ BYPASSED = (
 
 
 def hook_weakly(param: nn.Parameter, method: Callable[[nn.Parameter], None]) -> None:
-    """Call ``method(param)`` after each backward writes ``param.grad``, while ``method``'s object lives.
+    """Call ``method(param)`` after each backward writes ``param.grad``, while ``method``'s object
+    lives; the hook goes with it (``explain`` makes a watcher per call).
 
     The collector does not look through a parameter's hooks while C++ holds the parameter
     too (autograd does), so a hook holding its object strongly, which holds the model, would
@@ -72,7 +73,7 @@ def hook_weakly(param: nn.Parameter, method: Callable[[nn.Parameter], None]) -> 
         if live is not None:
             live(tensor)
 
-    param.register_post_accumulate_grad_hook(hook)
+    weakref.finalize(method.__self__, param.register_post_accumulate_grad_hook(hook).remove)
 
 
 @dataclasses.dataclass
