@@ -155,6 +155,8 @@ def test_routers_and_skip_in_config():
         ({"transform": {"clip_by_norm": {}, "rescale": {}}}, ValueError, "a transform is"),
         ({"transform": {"by_type": {"mapping": {"torch.nn.Nope": {"rescale": {}}}}}}, ValueError, "torch.nn.Nope"),
         ({"policy": {}}, ValueError, "unknown config keys"),
+        ({}, ValueError, "config names no policy"),
+        ({"transform": None, "compiler": "aot_eager"}, ValueError, "config names no policy"),
         ({"skip": "default"}, TypeError, "skip"),
         ({"transform": {"chain": [{"monitor": {}}]}}, ValueError, "a chain is written as a list"),
         ({"transform": {"rescale": {"multipliers": [["*", 2.0]]}}}, TypeError, "multipliers"),

@@ -67,8 +67,11 @@ def from_config(spec: Mapping[str, Any]) -> Backend:
     kwargs: dict[str, Any] = {key: spec[key] for key in ("compiler", "strict", "scope") if key in spec}
     if "skip" in spec:
         kwargs["skip"] = _skip(spec["skip"])
-    transform = spec.get("transform")
-    return Backend(None if transform is None else parse_transform(transform), **kwargs)
+    if spec.get("transform") is None:  # a backend that compiles without a policy is fxgrad.backend(None)
+        raise ValueError(
+            'config names no policy: give "transform": {"<rule>": {arguments}} (or a list of them for a chain)'
+        )
+    return Backend(parse_transform(spec["transform"]), **kwargs)
 
 
 def load(path: str | os.PathLike) -> dict:
