@@ -220,7 +220,7 @@ return {
         self.assertExpectedInline(
             inserted_code(model, x, transform=transform),
             """\
-# layer norms for clip_by_norm(max_norm=0.5), clip_by_global_norm(max_norm=1.0, norm_type=inf)
+# layer norms for clip_by_norm(max_norm=0.5), clip_by_global_norm(max_norm=1.0, norm_type=float('inf'))
 fxgrad_mul = aten.mul.Tensor(grad['0.weight'], grad['0.weight'])
 fxgrad_sum = aten.sum.default(fxgrad_mul)
 fxgrad_mul_1 = aten.mul.Tensor(grad['0.bias'], grad['0.bias'])
@@ -257,7 +257,7 @@ fxgrad_add_4 = aten.add.Tensor(fxgrad_sqrt_1, 1e-06)
 fxgrad_reciprocal_1 = aten.reciprocal.default(fxgrad_add_4)
 fxgrad_mul_7 = aten.mul.Tensor(fxgrad_reciprocal_1, 0.5)
 fxgrad_clamp_max_1 = aten.clamp_max.default(fxgrad_mul_7, 1.0)
-# clip_by_global_norm(max_norm=1.0, norm_type=inf) on [0, 1, 2]
+# clip_by_global_norm(max_norm=1.0, norm_type=float('inf')) on [0, 1, 2]
 fxgrad_mul_8 = aten.mul.Tensor(fxgrad_maximum, fxgrad_clamp_max)
 fxgrad_mul_9 = aten.mul.Tensor(fxgrad_maximum_1, fxgrad_clamp_max_1)
 fxgrad_maximum_3 = aten.maximum.default(fxgrad_mul_8, fxgrad_maximum_2)

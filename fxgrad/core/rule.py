@@ -40,6 +40,7 @@ docs/adding-a-rule.md walks through the contracts and the tests a rule needs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Sequence, TypeVar
 
 import torch
@@ -214,7 +215,12 @@ def check_transform(argument: str, value: Any) -> Transform:
 
 
 def call_repr(name: str, **kwargs: Any) -> str:
-    return f"{name}({', '.join(f'{key}={value!r}' for key, value in kwargs.items())})"
+    """``name(key=value, ...)`` as a call that builds it again (``float('inf')`` for an infinite norm)."""
+    shown = (
+        f"float('{value}')" if isinstance(value, float) and not math.isfinite(value) else repr(value)
+        for value in kwargs.values()
+    )
+    return f"{name}({', '.join(f'{key}={value}' for key, value in zip(kwargs, shown))})"
 
 
 def listed(items: Sequence[str], limit: int) -> str:

@@ -81,7 +81,7 @@ class ClipByNorm(_NormClip):
 
         >>> import fxgrad
         >>> fxgrad.clip_by_norm(0.5, norm_type=float("inf"))
-        clip_by_norm(max_norm=0.5, norm_type=inf)
+        clip_by_norm(max_norm=0.5, norm_type=float('inf'))
     """
 
     name = "clip_by_norm"
