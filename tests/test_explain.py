@@ -180,3 +180,9 @@ def test_the_report_says_what_training_with_a_strict_backend_raises(strict):
     assert report.warnings and all("would see only part of its layers" in w for w in report.warnings)
     assert report.raises == (report.warnings if strict else [])
     assert ("raises CoverageError (strict=True)" in str(report)) == strict
+
+
+def test_a_model_without_trainable_parameters_is_refused():
+    model = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter that requires grad"):
+        fxgrad.explain(model, torch.randn(2, 4), backend=aot(fxgrad.clip_by_norm(1.0)))

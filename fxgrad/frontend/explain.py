@@ -168,6 +168,8 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     model = getattr(model, "_orig_mod", model)  # a compiled module: explain compiles the model inside itself
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("model has no parameter that requires grad: no gradient for a policy to act on")
     # A GradScaler has no scale before its first scaled backward, and this one is unscaled.
     probe = Backend(
         backend.transform,
