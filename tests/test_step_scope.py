@@ -485,3 +485,38 @@ def test_step_of_a_model_checks_its_keys_and_names_layers_inside_data_parallel_w
     assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model[0].parameters()])).item() == (
         pytest.approx(1e-3, rel=1e-5)
     )
+
+
+def test_a_model_compiled_again_with_a_new_backend_gets_only_the_new_policy():
+    """Dynamo's caches keep the first backend alive, and its optimizer.step() hook with it: the
+    policy of the backend that compiled the model last is the model's."""
+    model, eager = mlp_and_copy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    models.loss_of(torch.compile(model, backend=first)(torch.randn(4, 16))).backward()
+    optimizer.zero_grad()
+    compiled = torch.compile(model, backend=fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager"))
+    x = torch.randn(4, 16)
+    models.loss_of(compiled(x)).backward()
+    optimizer.step()  # both hooks run; the first backend's leaves the model alone
+    models.loss_of(eager(x)).backward()
+    ref.clip_global(eager, 1.0)
+    assert_grads_close(model, eager)
+
+
+def test_a_step_argument_that_is_not_a_closure_is_passed_on():
+    """fxgrad's step hook is global: an optimizer whose step() takes other arguments keeps them."""
+
+    class Scaled(torch.optim.SGD):
+        def step(self, scale=1.0, closure=None):
+            for group in self.param_groups:
+                group["lr"] = 0.1 * scale
+            return super().step(closure)
+
+    model, _ = mlp_and_copy()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="step")
+    models.loss_of(backend.compile(model)(torch.randn(4, 16))).backward()
+    weight = torch.ones(3, requires_grad=True)
+    weight.grad = torch.ones(3)
+    Scaled([weight], lr=0.1).step(0.5)
+    torch.testing.assert_close(weight.detach(), torch.full((3,), 0.95))

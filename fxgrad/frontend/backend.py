@@ -43,6 +43,7 @@ from fxgrad.frontend.step_check import (
     policed_elsewhere,
     remove_optimizer_hooks,
     report_outside,
+    superseded,
 )
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
@@ -139,6 +140,7 @@ class Backend:
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._factor_given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
         self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._told_scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._met: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models checked by _meet
         self._loaded = False  # load_state_dict() ran, and no optimizer step has checked what it placed
         if transform is not None:
@@ -563,6 +565,16 @@ class Backend:
         if self._loaded:
             self._loaded = False
             self._report_unplaced()
+        if self.scaler is None and optimizer not in self._told_scaled and folding.scaled_by_a_scaler(optimizer):
+            self._told_scaled.add(optimizer)
+            warnings.warn(
+                f"fxgrad: a GradScaler steps this fused {type(optimizer).__name__} on gradients it left scaled (a "
+                f"fused optimizer unscales in its own update), and the policy {self.transform!r} read them as "
+                "they are: its norms are the loss scale times too large. Build the backend with "
+                "fxgrad.backend(..., scaler=scaler), which reads the scale on the device.",
+                CoverageWarning,
+                stacklevel=4,
+            )
         if optimizer not in self._first_step_seen:  # checks of the optimizer and the policy, once
             self._first_step_seen.add(optimizer)
             why = folding.cancelled(optimizer, self.transform)
@@ -733,7 +745,7 @@ class Backend:
             model = root.module()
             if model is not None:
                 models.setdefault(id(model), (model, root.prefix))
-        pairs = list(models.values())
+        pairs = [(model, prefix) for model, prefix in models.values() if not superseded(model, self)]
         if len(pairs) < 2:
             return pairs
         refs, order = self._nesting

@@ -98,6 +98,14 @@ def hand_over(model: nn.Module, owner: Any) -> None:
     _NEWEST[model] = weakref.ref(owner)
 
 
+def superseded(model: nn.Module, owner: Any) -> bool:
+    """Whether another live backend compiled ``model`` after ``owner`` (Dynamo's caches can keep
+    ``owner`` alive, and its step hook with it: the newest backend's policy is the model's)."""
+    newest = _NEWEST.get(model)
+    backend = newest() if newest is not None else None
+    return backend is not None and backend is not owner
+
+
 def policed_elsewhere(model: nn.Module, owner: Any) -> str | None:
     """The name of a module of ``model`` (``""``: itself) that another live backend with a policy
     compiled last, or ``None``: its gradients go through that policy already."""
@@ -156,7 +164,7 @@ def after_closure(hook: Callable[[torch.optim.Optimizer], None]) -> Callable[...
 
     def pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args: (optimizer, *step's args)
-        if closure is None:
+        if not callable(closure):  # none, or another argument of an optimizer's own step()
             eager(optimizer)
             return None
 
