@@ -164,6 +164,20 @@ def test_folded_with_a_grad_scaler_and_a_skipped_overflow_step(scope, unscale):
     assert not hasattr(optimizer, "grad_scale")
 
 
+@pytest.mark.parametrize("scope", SCOPES)
+def test_a_grad_scaler_the_backend_does_not_know_is_reported_for_a_fused_optimizer(scope):
+    """GradScaler.step leaves a fused optimizer's gradients scaled (the update unscales them): a
+    backend built without scaler= reads norms the loss scale times too large."""
+    model = mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    compiled = torch.compile(model, backend=backend)
+    scaler.scale(compiled(torch.randn(16, 8)).pow(2).mean()).backward()
+    with pytest.warns(fxgrad.CoverageWarning, match="fxgrad.backend\\(..., scaler=scaler\\)"):
+        scaler.step(optimizer)
+
+
 def test_optimizer_state_dict_round_trip_keeps_folding():
     torch.manual_seed(0)
     model = mlp()

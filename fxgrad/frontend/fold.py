@@ -158,6 +158,12 @@ def give(optimizer: torch.optim.Optimizer, factor: torch.Tensor) -> None:
         optimizer.grad_scale = inverse if scale is None else scale * inverse
 
 
+def scaled_by_a_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a ``GradScaler`` is stepping ``optimizer`` on gradients it left scaled: it hands a
+    fused optimizer its scale as ``grad_scale`` instead of unscaling them first."""
+    return getattr(optimizer, "grad_scale", None) is not None and optimizer not in _SET_HERE
+
+
 def after_step(optimizer: torch.optim.Optimizer) -> None:
     """Drop the ``grad_scale`` fxgrad set (a ``GradScaler`` drops its own)."""
     if optimizer in _SET_HERE:
