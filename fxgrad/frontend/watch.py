@@ -59,15 +59,18 @@ BYPASSED = (
 )
 
 
+@torch.compiler.disable
 def hook_weakly(param: nn.Parameter, method: Callable[[nn.Parameter], None]) -> None:
     """Call ``method(param)`` after each backward writes ``param.grad``, while ``method``'s object
     lives; the hook goes with it (``explain`` makes a watcher per call).
 
     The collector does not look through a parameter's hooks while C++ holds the parameter
     too (autograd does), so a hook holding its object strongly, which holds the model, would
-    keep both alive for good."""
+    keep both alive for good. Eager, like the hook, under compiled autograd (which traces the
+    backward's hooks): this is bookkeeping, and ``weakref.finalize`` writes a global registry."""
     ref = weakref.WeakMethod(method)
 
+    @torch.compiler.disable
     def hook(tensor: nn.Parameter) -> None:
         live = ref()
         if live is not None:
