@@ -33,6 +33,7 @@ CASES = [
     (lambda: fxgrad.rescale(multipliers={nn.Linear: -2}), ValueError, "multipliers"),
     (lambda: fxgrad.rescale(multipliers={3: 2.0}), TypeError, "multipliers"),
     (lambda: fxgrad.rescale(multipliers=[("*", 2.0)]), TypeError, "multipliers"),
+    (lambda: fxgrad.rescale(multipliers=(("a", 1.0), ("a", 2.0))), ValueError, "multipliers"),
     (lambda: fxgrad.chain(fxgrad.clip_by_norm(1.0), "clip"), TypeError, "chain"),
     (lambda: fxgrad.chain(torch.nn.utils.clip_grad_norm_), TypeError, "chain"),
     (lambda: fxgrad.by_type({"Linear": fxgrad.clip_by_norm(1.0)}), TypeError, "by_type"),

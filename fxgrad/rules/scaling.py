@@ -104,6 +104,10 @@ class Rescale(ScaleLeaf):
             raise ValueError(f"decay is the EMA of target='ema'; target={target!r} has none, got decay={decay!r}")
         multipliers = {} if self.multipliers is None else self.multipliers
         if isinstance(multipliers, tuple):  # already pairs: dataclasses.replace() builds the rule again
+            keys = [key for key, _ in multipliers]
+            twice = [key for i, key in enumerate(keys) if key in keys[:i]]
+            if twice:
+                raise ValueError(f"multipliers gives key {twice[0]!r} twice")
             multipliers = dict(multipliers)
         if not isinstance(multipliers, Mapping):
             raise TypeError(f"multipliers must be a mapping, got {type(multipliers).__name__}")
