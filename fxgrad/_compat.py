@@ -484,8 +484,8 @@ def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer | None = 
     from torch.amp.grad_scaler import OptState
 
     states = scaler._per_optimizer_states
-    stages = [states[id(optimizer)]["stage"]] if optimizer is not None else [s["stage"] for s in states.values()]
-    return any(stage is not OptState.READY for stage in stages)
+    chosen = [states[id(optimizer)]] if optimizer is not None else states.values()
+    return any(state["stage"] is not OptState.READY for state in chosen)
 
 
 def module_path(name: str) -> str:

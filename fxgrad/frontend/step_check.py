@@ -98,21 +98,24 @@ def hand_over(model: nn.Module, owner: Any) -> None:
     _NEWEST[model] = weakref.ref(owner)
 
 
+def _newest(module: nn.Module) -> Any | None:
+    """The live backend that compiled ``module`` last, if any."""
+    ref = _NEWEST.get(module)
+    return ref() if ref is not None else None
+
+
 def superseded(model: nn.Module, owner: Any) -> bool:
     """Whether another live backend compiled ``model`` after ``owner`` (Dynamo's caches can keep
     ``owner`` alive, and its step hook with it: the newest backend's policy is the model's)."""
-    newest = _NEWEST.get(model)
-    backend = newest() if newest is not None else None
-    return backend is not None and backend is not owner
+    newest = _newest(model)
+    return newest is not None and newest is not owner
 
 
 def policed_elsewhere(model: nn.Module, owner: Any) -> str | None:
     """The name of a module of ``model`` (``""``: itself) that another live backend with a policy
     compiled last, or ``None``: its gradients go through that policy already."""
     for name, module in model.named_modules():
-        other = _NEWEST.get(module)
-        backend = other() if other is not None else None
-        if backend is not None and backend is not owner and backend.transform is not None:
+        if superseded(module, owner) and _newest(module).transform is not None:
             return name
     return None
 
@@ -293,8 +296,7 @@ class StepCheck:
 
     def _checked_models(self) -> list[nn.Module]:
         owner = self.owner()
-        newest = lambda model: _NEWEST.get(model, lambda: owner)()  # noqa: E731  met only in a graph: ours
-        return [m for m in self.models() if m not in self.watched and newest(m) is owner]
+        return [m for m in self.models() if m not in self.watched and not superseded(m, owner)]
 
     def _unheld(self, unheld: frozenset) -> None:
         """Parameters with a gradient that no graph of the backend holds."""
