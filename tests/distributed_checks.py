@@ -35,7 +35,10 @@ def on_each_rank(check):
     launcher can be taken (or self-connected) before rank 0 binds it.
 
     A rank that raises prints its traceback and exits at once, skipping the
-    barrier and teardown its peer may never reach. A rank stuck for
+    barrier and teardown its peer may never reach. A rank that passes exits at
+    once after the teardown: in interpreter finalization, gloo's C++ threads
+    sometimes abort the process ("terminate called without an active
+    exception", SIGABRT) after the check has passed. A rank stuck for
     ``STUCK_AFTER_S`` prints every thread's stack and exits, and a collective
     waits at most 120 s: a hang shows where it was instead of a bare timeout.
     """
@@ -62,6 +65,9 @@ def on_each_rank(check):
         dist.barrier()  # neither rank tears the group down while the other still uses it
         dist.destroy_process_group()
         faulthandler.cancel_dump_traceback_later()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip interpreter teardown, where gloo's threads now and then abort the process
 
     return run
 
