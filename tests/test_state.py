@@ -270,6 +270,42 @@ def test_grad_scaler_parity_and_scale_changes_without_recompiling():
     assert len(seen_scales) >= 3 and len(backend.graphs) == 1
 
 
+HUGE_SCALE_POLICIES = {
+    "global_clip": (lambda: fxgrad.chain(fxgrad.monitor(), fxgrad.clip_by_global_norm(0.05)), lambda: ref.clip_global),
+    "adagc": (lambda: fxgrad.adagc(lambda_abs=0.05, warmup=1), lambda: ref.AdaGC(lambda_abs=0.05, warmup=1).step),
+}
+
+
+@pytest.mark.parametrize("policy", list(HUGE_SCALE_POLICIES))
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_huge_loss_scale_leaves_the_norms_finite(scope, policy):
+    """Norms are taken of the gradients times the inverse scale: at a scale of 2**100 (a
+    GradScaler that grew unchecked, under bfloat16) the squares of the scaled ones overflow
+    float32, and the clip would zero every step while the scaler sees finite gradients."""
+    transform, make_reference = HUGE_SCALE_POLICIES[policy]
+    reference = make_reference()
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**100) for _ in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in (model, eager)]
+    backend = fxgrad.backend(transform(), compiler="aot_eager", scope=scope, scaler=scalers[0])
+    compiled = backend.compile(model)
+    for x in [torch.randn(8, 16) for _ in range(3)]:
+        for net, scaler, optimizer in zip((compiled, eager), scalers, optimizers):
+            scaler.scale(models.loss_of(net(x))).backward()
+            if net is compiled and scope == "step":
+                backend.step()  # before unscale_, on the scaled gradients
+            scaler.unscale_(optimizer)
+        reference(eager, 0.05) if policy == "global_clip" else reference(eager)
+        assert_grads_close(model, eager)
+        assert all(p.grad.abs().sum() > 0 for p in model.parameters())
+        for scaler, optimizer in zip(scalers, optimizers):
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+
+
 def test_scaler_refuses_policies_that_hide_nonfinite():
     with pytest.raises(ValueError, match="scaler"):
         fxgrad.backend(fxgrad.zero_nonfinite(), scaler=torch.amp.GradScaler("cpu"))

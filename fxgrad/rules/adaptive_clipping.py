@@ -277,10 +277,9 @@ class AdaGC(Leaf):
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
         flat_grads = [g for group in grads for g in group]
         # one norm per tensor, unscaled, as a float64 vector
-        sums = torch.stack(norm_math.over_shards([norm_math.power_sum([g], 2.0) for g in flat_grads]))
+        inverse = None if ctx.scale is None else 1.0 / ctx.scale
+        sums = torch.stack(norm_math.over_shards([norm_math.power_sum([g], 2.0, inverse) for g in flat_grads]))
         norms = sums.to(torch.float64).sqrt()
-        if ctx.scale is not None:
-            norms = norms / ctx.scale
         state = ctx.state(shared={"step": ((), 0.0)}, per_param={"gamma": -1.0})
         step, gamma = state["step"], state["gamma"]
         unset = gamma < 0

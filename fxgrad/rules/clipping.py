@@ -173,12 +173,11 @@ class AdaptiveGradClip(Leaf):
         clipping: float | torch.Tensor,
     ) -> torch.Tensor:
         g = widen(grad)
+        unscaled = g if inverse is None else g * inverse.to(g.dtype)  # a norm of scaled rows can overflow
         if g.dim() <= 1:
-            norm = l2(g)
+            norm = l2(unscaled)
         else:
-            norm = l2(g, dim=tuple(range(1, g.dim())), keepdim=True)
-        if inverse is not None:
-            norm = norm * inverse.to(norm.dtype)
+            norm = l2(unscaled, dim=tuple(range(1, g.dim())), keepdim=True)
         bound = like(g, weight_norm.to(norm.dtype).clamp_min(self.eps) * clipping)
         clipped = g * (bound / norm.clamp_min(1e-6))
         return cast(torch.where(norm < bound, g, clipped), grad.dtype)

@@ -297,6 +297,8 @@ class Sinkhorn(Leaf):
 
     def _one(self, grad: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         x = widen(grad)
+        if scale is not None:  # unscaled first, as after unscale_: its EPS and norms see unscaled values
+            x = x * (1.0 / scale).to(x.dtype)
         if x.numel() == 0:  # a (0, n) parameter: nothing to normalize, and no rows to divide by
             return grad
         if x.dim() >= 2:

@@ -11,9 +11,10 @@ product of its factors. So ``chain(rescale(), clip_by_norm(1.0),
 clip_by_global_norm(1.0))`` costs one read and one write per gradient, and
 matches applying the three one after the other up to float rounding.
 
-With a GradScaler the gradients in the graph are scaled; norms are divided by
-the scale first, so every transform sees unscaled values, and the factors
-multiply the scaled gradients (``unscale_`` later divides them).
+With a GradScaler the gradients in the graph are scaled; norms are taken of the
+gradients times the inverse scale (as ``unscale_`` would leave them, so no sum
+overflows at a large scale), every transform sees unscaled values, and the
+factors multiply the scaled gradients (``unscale_`` later divides them).
 
 With ``fold=True`` (:meth:`fxgrad.Backend.fold`; only for policies whose every
 factor is one global factor) the gradients are not multiplied: the product of
@@ -113,8 +114,8 @@ class Executor:
         """Unscaled norm statistics of the current gradients of ``names``."""
         unknown = [name for name in names if not self._known(name, orders)]
         grads = [self.grads[name] for name in unknown]
-        for name, stats in zip(unknown, norm_math.layer_stats(grads, orders, self.graph.replay)):
-            self._norms[name] = (stats if self.inverse_scale is None else stats.scaled(self.inverse_scale), 1.0)
+        for name, stats in zip(unknown, norm_math.layer_stats(grads, orders, self.graph.replay, self.inverse_scale)):
+            self._norms[name] = (stats, 1.0)
         known = [self._norms[name] for name in names]
         return [stats if _is_one(factor) else stats.scaled(factor) for stats, factor in known]
 

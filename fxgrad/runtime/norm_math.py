@@ -63,8 +63,10 @@ def magnitude(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.abs() if tensor.is_complex() else tensor
 
 
-def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
-    """``sum |t|^p`` over all elements (``max |t|`` for ``p = inf``), a 0-dim tensor.
+def power_sum(tensors: Sequence[torch.Tensor], p: float, unscale: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum |t|^p`` over all elements (``max |t|`` for ``p = inf``), a 0-dim tensor; of
+    ``t * unscale`` when given (a GradScaler's inverse scale: the sum of the scaled values
+    overflows float32 at large scales, the unscaled one does not).
 
     Sparse COO tensors (``nn.Embedding(sparse=True)``) take the finite orders: torch's sparse
     ops coalesce them first (repeated indices add up). They have no max reduction."""
@@ -74,6 +76,8 @@ def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
             "(nn.Embedding(sparse=True)?) is not supported; the other norms are"
         )
     wide = [widen(magnitude(t)) for t in tensors]
+    if unscale is not None:
+        wide = [t * like(t, cast(unscale, t.dtype)) for t in wide]
     if math.isinf(p):
         return _reduce([abs_max(t) for t in wide], torch.maximum)
     if p == 2.0:
@@ -83,8 +87,8 @@ def power_sum(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     return _reduce([t.abs().pow(p).sum() for t in wide], torch.add)
 
 
-def _power_sum_of(p: float, *tensors: torch.Tensor) -> torch.Tensor:
-    return power_sum(tensors, p)
+def _power_sum_of(p: float, unscale: torch.Tensor | None, *tensors: torch.Tensor) -> torch.Tensor:
+    return power_sum(tensors, p, unscale)
 
 
 def call(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
@@ -176,11 +180,12 @@ def layer_stats(
     layers: Sequence[Sequence[torch.Tensor]],
     orders: Sequence[float],
     replay: Callable[..., torch.Tensor] = call,
+    unscale: torch.Tensor | None = None,
 ) -> list[NormStats]:
-    """The :class:`NormStats` of each layer's gradients (``layers[i]``), over all their shards.
-    ``replay(fn, *args)`` runs each layer's power sums (see
-    :meth:`~fxgrad.runtime.context.RouteContext.per_tensor`)."""
-    local = [[replay(_power_sum_of, p, *grads) for p in orders] for grads in layers]
+    """The :class:`NormStats` of each layer's gradients (``layers[i]``), over all their shards,
+    times ``unscale`` (see :func:`power_sum`). ``replay(fn, *args)`` runs each layer's power
+    sums (see :meth:`~fxgrad.runtime.context.RouteContext.per_tensor`)."""
+    local = [[replay(_power_sum_of, p, unscale, *grads) for p in orders] for grads in layers]
     sums = [over_shards([row[i] for row in local], "max" if math.isinf(p) else "sum") for i, p in enumerate(orders)]
     return [NormStats({p: sums[i][k] for i, p in enumerate(orders)}) for k in range(len(layers))]
 
