@@ -554,3 +554,37 @@ def test_routing_keys_that_reach_layers_are_not_reported(compile_with):
     )
     with coverage_silent():
         compile_with(fxgrad.backend(policy, compiler="aot_eager", skip=fxgrad.DEFAULT_SKIP + ("*ln_f*",)), model)
+
+
+class Parametrized(nn.Module):
+    """A Linear with ``weight_norm``, one with ``spectral_norm``, and a plain one."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+        self.fc1, self.fc2, self.fc3 = weight_norm(nn.Linear(8, 16)), spectral_norm(nn.Linear(16, 16)), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_parametrized_weights_originals_are_in_its_layer(scope, compile_with):
+    """weight_norm's g and v (in ``fc1.parametrizations.weight``) are layer ``fc1``'s, with its
+    bias: by_type(nn.Linear) reaches them, and a per-layer clip bounds the whole Linear."""
+    torch.manual_seed(0)
+    model = Parametrized()
+    expected = copy.deepcopy(model)
+    policy = fxgrad.by_type({nn.Linear: fxgrad.clip_by_norm(1e-3)})
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
+    x = torch.randn(5, 8)
+    with coverage_silent():
+        models.loss_of(compile_with(backend, model)(x)).backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+    models.loss_of(expected(x)).backward()
+    for layer in (expected.fc1, expected.fc2, expected.fc3):
+        torch.nn.utils.clip_grad_norm_(layer.parameters(), 1e-3)  # its originals and its bias
+    assert_grads_close(model, expected)
+    report = fxgrad.explain(Parametrized(), x, backend=fxgrad.backend(policy, compiler="aot_eager", scope=scope))
+    assert [row.name for row in report.layers] == ["fc1", "fc2", "fc3"]

@@ -3,7 +3,11 @@
 A *layer* is a module that directly owns parameters
 (``module.parameters(recurse=False)``). A parameter belongs to the **first**
 module that owns it in ``model.named_modules()`` order, so tied weights (GPT-2's
-``wte``/``lm_head``) belong to exactly one layer.
+``wte``/``lm_head``) belong to exactly one layer. The originals of a parametrized
+tensor (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``, LoRA
+written as a parametrization) belong to the module they parametrize, not to the
+``parametrizations.<name>`` list that holds them: ``lin.parametrizations.weight.original0``
+is in layer ``lin``, with ``lin.bias``.
 
     >>> import torch.nn as nn
     >>> owners = parameter_owners(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))
@@ -20,6 +24,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch.nn as nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils.parametrize import ParametrizationList
 
 from fxgrad import _compat
 from fxgrad.core import match
@@ -57,7 +62,8 @@ Extend it with ``fxgrad.DEFAULT_SKIP + ("*.out_proj",)``; ``skip=()`` turns it o
 
 WHAT_IS_A_LAYER = (
     "a layer is a module that owns parameters directly, named as in model.named_modules(); a tied or shared "
-    "parameter belongs to its first owner (GPT-2's lm_head weight to transformer.wte)"
+    "parameter belongs to its first owner (GPT-2's lm_head weight to transformer.wte), and a parametrized "
+    "weight's originals to the module it parametrizes"
 )
 
 
@@ -101,11 +107,17 @@ def parameter_owners(model: nn.Module, prefix: str = "") -> dict[int, Owner]:
     The dict is in ``named_modules()`` order.
     """
     owners: dict[int, Owner] = {}
+    modules: dict[str, nn.Module] = {}
     for module_name, module in model.named_modules():
         path = _join(prefix, _compat.module_path(module_name))  # a submodule compiled alone keeps its name
+        modules[path] = module
+        layer, owner = path, module
+        if isinstance(module, ParametrizationList):  # <layer>.parametrizations.<tensor>: the layer's own
+            layer = path.rsplit(".", 2)[0] if path.count(".") >= 2 else ""
+            owner = modules.get(layer, owner)
         for local_name, param in module._parameters.items():
             if param is not None and id(param) not in owners:
-                owners[id(param)] = Owner(path or ROOT_LAYER, _join(path, local_name), module, param)
+                owners[id(param)] = Owner(layer or ROOT_LAYER, _join(path, local_name), owner, param)
     return owners
 
 
