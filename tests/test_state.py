@@ -416,6 +416,25 @@ def test_a_step_skip_nonfinite_zeroed_leaves_the_state_of_the_rules_after_it(sco
         torch.testing.assert_close(actual, wanted, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_monitor_reports_the_kept_ema_on_an_overflow_step(scope):
+    """On a step with a non-finite norm the EMA statistics read what the state kept, not NaN."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    backend = fxgrad.backend(fxgrad.monitor(), compiler="aot_eager", scope=scope)
+    compiled = backend.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = []
+    for c in (torch.ones(8), torch.ones(8), one_inf()):
+        compiled(torch.randn(4, 8), c).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(backend.stats())
+    assert not seen[2]["grad_norm/b"].isfinite()
+    for stat in ("grad_norm_ema/a", "grad_norm_ema/b", "grad_norm_std/b"):
+        assert seen[2][stat].item() == seen[1][stat].item(), stat
+
+
 def test_a_checkpoint_of_another_policy_is_refused():
     model = models.MLP()
     saved = fxgrad.backend(fxgrad.autoclip(history=6), compiler="aot_eager")

@@ -87,10 +87,10 @@ class Monitor(ScaleLeaf):
         first = count == 0
         new_mean = torch.where(first, norm, mean + rate * diff)
         new_var = torch.where(first, torch.zeros_like(var), (1 - rate) * (var + rate * diff * diff))
-        ctx.save(state, finite=norm, mean=new_mean, var=new_var, count=count + 1)
+        saved = ctx.save(state, finite=norm, mean=new_mean, var=new_var, count=count + 1)
         ctx.emit_per_layer("grad_norm", norm)
-        ctx.emit_per_layer("grad_norm_ema", new_mean)
-        ctx.emit_per_layer("grad_norm_std", new_var.sqrt())
+        ctx.emit_per_layer("grad_norm_ema", saved["mean"])  # an overflow step's are the kept ones
+        ctx.emit_per_layer("grad_norm_std", saved["var"].sqrt())
         ctx.emit_per_layer("spike", spike.to(torch.float64))
         if self.weights:
             ctx.emit_per_layer("weight_norm", ctx.weight_norms())

@@ -190,8 +190,10 @@ class RouteContext:
         self._groups[id(values)] = (group, list(shared) + list(per_layer) + list(per_param))
         return values
 
-    def save(self, state: dict[str, torch.Tensor], *, finite: torch.Tensor | None = None, **new: torch.Tensor) -> None:
-        """Write back every entry of ``state`` (new values, same shapes).
+    def save(
+        self, state: dict[str, torch.Tensor], *, finite: torch.Tensor | None = None, **new: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Write back every entry of ``state`` (new values, same shapes), and return what was written.
 
         With ``finite=norms``, every entry keeps its old value unless all of
         ``norms`` are finite: one overflow step (routine with a GradScaler, which
@@ -213,6 +215,7 @@ class RouteContext:
         if ok is not None:
             new = {n: torch.where(ok, value, state[n]) for n, value in new.items()}
         torch.ops.fxgrad.save_state(group.name, flat(new[n] for n in order))
+        return new
 
     def emit(self, name: str, value: torch.Tensor) -> None:
         """A statistic for ``backend.stats()[name]`` (a 0-dim tensor)."""
