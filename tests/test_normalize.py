@@ -142,3 +142,36 @@ def test_with_grad_scaler_after_unscale(name, scale):
         scaler.unscale_(optimizer)
     reference(eager)
     assert_grads_close(model, eager, rtol=2e-5)
+
+
+FLOAT64 = {
+    **STATELESS,
+    # skip_nonfinite(backoff=...) makes the threshold a device tensor
+    "clip_by_value": (
+        fxgrad.chain(fxgrad.skip_nonfinite(backoff=0.5), fxgrad.clip_by_value(0.0123456789)),
+        lambda m: ref.clip_value(m, 0.0123456789),
+    ),
+}
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+@pytest.mark.parametrize("name", FLOAT64)
+def test_a_float64_model_keeps_float64_precision(name, scope):
+    """Norms, weight norms and bounds of float64 gradients are float64 (AGC's weight rows and a
+    device-side value bound were rounded to float32: ~1e-8 off)."""
+    import copy
+
+    import models
+    from parity import assert_grads_close
+
+    transform, reference = FLOAT64[name]
+    torch.manual_seed(0)
+    model = models.MLP().double()
+    eager = copy.deepcopy(model)
+    compiled = fxgrad.backend(transform, compiler="aot_eager", scope=scope).compile(model)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    models.loss_of(compiled(x)).backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    models.loss_of(eager(x)).backward()
+    reference(eager)
+    assert_grads_close(model, eager, rtol=1e-12)

@@ -489,7 +489,9 @@ class Backend:
         ``zclip``, with ``monitor``) and a fused ``Adam``, ``AdamW`` or ``SGD``, the
         factor divides ``optimizer.grad_scale`` (with a GradScaler's scale when there is
         one): the norms are read once and nothing is written. The weights after each
-        step equal the unfolded path's. Until the step, ``.grad`` holds the gradient
+        step equal the unfolded path's (to float32 rounding of the factor: torch's fused
+        kernels take ``grad_scale`` in float32 only, so float64 parameters see ~3e-8
+        relative per step). Until the step, ``.grad`` holds the gradient
         before the factor: ``stats()["folded_factor"]`` is the factor and
         :meth:`scaled_grads` the gradients with it.
 

@@ -117,8 +117,10 @@ class ClipByValue(Leaf):
         v = ctx.threshold(self.clip_value)
         if ctx.scale is None and not isinstance(v, torch.Tensor):
             return [[g.clamp(-v, v) for g in group] for group in grads]
-        bound = (v if ctx.scale is None else ctx.scale * v).float()  # the gradients in the graph are scaled
-        return [[_clamp(g, bound) for g in group] for group in grads]
+        bound = v if ctx.scale is None else ctx.scale * v  # float64; the gradients in the graph are scaled
+        dtypes = {norm_math.accumulation_dtype(g) for group in grads for g in group}
+        bounds = {dtype: norm_math.cast(bound, dtype) for dtype in dtypes}  # float64 for float64 gradients
+        return [[_clamp(g, bounds[norm_math.accumulation_dtype(g)]) for g in group] for group in grads]
 
 
 def _clamp(grad: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fxgrad import _compat
 from fxgrad.core.layers import Layer
-from fxgrad.runtime.norm_math import call, replicated
+from fxgrad.runtime.norm_math import call, replicated, widen
 from fxgrad.runtime.state import StateStore, flat
 
 Shape = tuple[int, ...]
@@ -333,7 +333,7 @@ def _row_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 def _row_norms(param: torch.Tensor) -> torch.Tensor:
     """Unit-wise norms as AGC defines them: per output row for 2+ dims, whole tensor else."""
-    values = param if param.is_complex() else param.float()
+    values = param if param.is_complex() else widen(param)  # float64 weights keep float64 norms
     if param.dim() <= 1:
         return torch.linalg.vector_norm(values)
     return torch.linalg.vector_norm(values, dim=tuple(range(1, param.dim())), keepdim=True)
