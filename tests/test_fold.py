@@ -231,8 +231,16 @@ def test_grad_holds_the_gradient_before_the_factor_until_the_step():
     [
         (lambda p: torch.optim.AdamW(p, foreach=True), fxgrad.clip_by_global_norm(1.0), "step", r"fused=True"),
         (lambda p: torch.optim.AdamW(p, fused=True), fxgrad.clip_by_norm(1.0), "step", r"clip_by_norm"),
+        *[
+            (lambda p: torch.optim.AdamW(p, fused=True), routed, scope, r"under by_type/by_name")
+            for routed in (
+                fxgrad.by_type({nn.Linear: fxgrad.clip_by_global_norm(1e-2)}),  # not the LayerNorm
+                fxgrad.by_name({"0": fxgrad.clip_by_global_norm(1.0)}, default=fxgrad.clip_by_global_norm(1e-2)),
+            )
+            for scope in SCOPES
+        ],
     ],
-    ids=["foreach", "per-layer"],
+    ids=["foreach", "per-layer", *[f"{kind}-{scope}" for kind in ("by_type", "by_name") for scope in SCOPES]],
 )
 def test_combinations_that_do_not_fold_warn_once_and_stay_exact(make, policy, scope, message):
     torch.manual_seed(0)

@@ -70,6 +70,11 @@ class Transform:
         """Every leaf of the policy, in order."""
         return [route.leaf for route in self.routes(())]
 
+    def unrouted_leaves(self) -> list[Leaf]:
+        """The leaves that see every layer: not under ``by_type`` or ``by_name``, which hand
+        each of their leaves some layers only."""
+        return self.leaves()
+
     def reduces_across_layers(self) -> bool:
         """Whether a leaf reduces over several layers (``reach == "group"``: a global norm), so
         that it must see every gradient at once."""

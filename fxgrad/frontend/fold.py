@@ -74,19 +74,25 @@ def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scop
             "in graph scope, call fold() before the model's first forward: the backward graphs compiled "
             "so far apply the factor themselves"
         )
+    applies = "the step program applies" if scope == "step" else "the backward graph applies"
     if not _fused(optimizer):
         return (
             f"{type(optimizer).__name__} without fused=True has no grad_scale input: "
-            "the step program applies the factor (pass fused=True to fold it)"
+            f"{applies} the factor (pass fused=True to fold it)"
         )
     leaves = transform.leaves() if transform is not None else []
+    folding = [leaf for leaf in leaves if leaf.folds == "global"]
+    unrouted = [leaf for leaf in transform.unrouted_leaves() if leaf.folds == "global"] if folding else []
+    if len(unrouted) < len(folding):  # by identity: two equal rules can sit at both levels
+        routed = [leaf for leaf in folding if not any(leaf is other for other in unrouted)] or folding
+        return (
+            f"{', '.join(map(repr, routed))} under by_type/by_name: each scales only the layers routed to it, "
+            f"and grad_scale scales every gradient: {applies} the factors"
+        )
     per_layer = [leaf for leaf in leaves if leaf.folds is None and leaf.apply_to == "grad"]
     if per_layer or not any(leaf.folds == "global" for leaf in leaves):
         shown = ", ".join(repr(leaf) for leaf in per_layer) or "no global factor"
-        return (
-            f"only a single global factor folds into grad_scale, and the policy has {shown}: "
-            "the step program applies the factors"
-        )
+        return f"only a single global factor folds into grad_scale, and the policy has {shown}: {applies} the factors"
     return None
 
 

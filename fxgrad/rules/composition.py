@@ -11,7 +11,7 @@ import dataclasses
 from typing import Sequence
 
 from fxgrad.core.layers import Layer
-from fxgrad.core.rule import Route, Transform, check_transform
+from fxgrad.core.rule import Leaf, Route, Transform, check_transform
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -25,6 +25,9 @@ class Chain(Transform):
 
     def routes(self, layers: Sequence[Layer]) -> list[Route]:
         return [route for t in self.transforms for route in t.routes(layers)]
+
+    def unrouted_leaves(self) -> list[Leaf]:
+        return [leaf for t in self.transforms for leaf in t.unrouted_leaves()]
 
     def unmatched(self, layers: Sequence[Layer]) -> list[str]:
         return [why for t in self.transforms for why in t.unmatched(layers)]

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from fxgrad.core import match
 from fxgrad.core.layers import WHAT_IS_A_LAYER, Layer
-from fxgrad.core.rule import Route, Transform, check_transform, listed
+from fxgrad.core.rule import Leaf, Route, Transform, check_transform, listed
 
 
 def _names(layers: Sequence[Layer], limit: int = 3) -> str:
@@ -43,6 +43,9 @@ class _Router(Transform):
         if self.default is not None:
             routed += self.default.routes(rest)
         return routed
+
+    def unrouted_leaves(self) -> list[Leaf]:
+        return []
 
     def _route(self, layers: Sequence[Layer]) -> tuple[list[list[Layer]], list[Layer]]:
         """The non-skipped layers of each entry (first match wins), and the rest."""
