@@ -478,8 +478,24 @@ def test_a_fixed_multiplier_under_adam_is_reported_as_cancelled(scope):
     for policy, make in (
         (stem, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),  # SGD: the multiplier acts
         (fxgrad.rescale(alpha=0.5), lambda p: torch.optim.AdamW(p, lr=1e-2)),  # varies per step: acts
+        (stem, lambda p: torch.optim.RAdam(p, lr=1e-2)),  # its first steps are momentum SGD's: acts there
     ):
         model = mlp()
         with warnings.catch_warnings():
             warnings.simplefilter("error", fxgrad.CoverageWarning)
             train(model, make(model.parameters()), 2, backend=fxgrad.backend(policy, compiler="aot_eager", scope=scope))
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_positive_factors_under_a_sign_only_update_are_reported(scope):
+    """Rprop moves each weight by its gradient's sign: a clip does nothing, and is reported;
+    zero_nonfinite, which zeroes elements, is not."""
+    torch.manual_seed(0)
+    model = mlp()
+    plain = copy.deepcopy(model)
+    policy = fxgrad.chain(fxgrad.zero_nonfinite(), fxgrad.clip_by_global_norm(1e-3))
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
+    with pytest.warns(fxgrad.CoverageWarning, match=r"^fxgrad: clip_by_global_norm\(max_norm=0.001\) only .* Rprop"):
+        train(model, torch.optim.Rprop(model.parameters(), lr=1e-2), 5, backend=backend)
+    train(plain, torch.optim.Rprop(plain.parameters(), lr=1e-2), 5)
+    assert_same_weights(model, plain, rtol=1e-6)

@@ -135,3 +135,20 @@ def test_apply_to_is_checked_at_construction():
         fxgrad.rescale(apply_to="updates")
     assert "apply_to='update'" in repr(fxgrad.scale_by_trust_ratio(apply_to="update"))
     assert "apply_to" not in repr(fxgrad.scale_by_trust_ratio())
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_lbfgs_is_refused_at_its_step(scope, compile_with):
+    """LBFGS moves the weights once per closure call within one step(): an update-level factor
+    would scale the last move only."""
+    model, forward, _ = compiled(STEM_3X, scope, compile_with)
+    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=3)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = forward(X).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError, match="LBFGS evaluates its closure several times"):
+        optimizer.step(closure)

@@ -115,6 +115,8 @@ class Leaf(Transform):
       optimizer's update instead of the gradient (a per-layer learning-rate scale, see
       :mod:`fxgrad.frontend.update_factors`). Scale rules that offer both declare it
       as a field with :func:`apply_to_field`.
+    * ``keeps_signs``: it only multiplies gradient elements by factors ``> 0`` (clamps
+      included), so an update that reads the signs alone (``Rprop``) never sees it.
     """
 
     reach: ClassVar[Reach] = "layer"
@@ -124,6 +126,7 @@ class Leaf(Transform):
     folds: ClassVar[Literal["global", "identity"] | None] = None
     local_shards: ClassVar[bool] = False
     apply_to: ClassVar[Literal["grad", "update"]] = "grad"
+    keeps_signs: ClassVar[bool] = True
     name: ClassVar[str] = "leaf"
 
     def fixed_factors(self) -> bool:

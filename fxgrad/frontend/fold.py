@@ -40,16 +40,18 @@ from fxgrad.core.rule import Transform
 
 FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # their fused update reads grad_scale
 
-# Updates that divide by a running RMS of the gradient: a constant per-layer factor cancels.
+# Updates that divide by a running RMS of the gradient from their first step: a constant
+# per-layer factor cancels. Not RAdam: its first steps (rho_t <= 5) are momentum SGD's.
 NORMALIZING = (
     torch.optim.Adam,
     torch.optim.AdamW,
     torch.optim.Adamax,
     torch.optim.NAdam,
-    torch.optim.RAdam,
     torch.optim.RMSprop,
     torch.optim.Adagrad,
+    torch.optim.Adafactor,
 )
+SIGN_ONLY = (torch.optim.Rprop,)  # moves each weight by the sign of its gradient
 
 _SET_HERE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # grad_scale set by fxgrad, not a GradScaler
 _FOLDED_BY: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
@@ -97,13 +99,26 @@ def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scop
 
 
 def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> str | None:
-    """A warning when ``optimizer``'s update divides out everything ``transform`` does.
+    """A warning when ``optimizer``'s update divides out everything ``transform`` does, or,
+    for a sign-only update (``Rprop``), what any of its gradient-scaling leaves does.
 
     A per-layer factor that holds across steps scales a layer's ``m`` and
     ``sqrt(v)`` alike, so Adam's ``m / sqrt(v)`` is unchanged: ``rescale(alpha=0,
     multipliers=...)`` moved an MLP's weights by 5e-7 under AdamW over 50 steps.
     """
-    if transform is None or not isinstance(optimizer, NORMALIZING):
+    if transform is None:
+        return None
+    if isinstance(optimizer, SIGN_ONLY):
+        moot = [leaf for leaf in transform.leaves() if leaf.folds != "identity" and leaf.apply_to == "grad"]
+        moot = [leaf for leaf in moot if leaf.keeps_signs]
+        if not moot:
+            return None
+        return (
+            f"fxgrad: {', '.join(map(repr, moot))} only multiply(ies) gradient elements by factors > 0, and "
+            f"{type(optimizer).__name__} moves each weight by the sign of its gradient alone: the weights move "
+            "as without them. Put the factor on the update (apply_to='update'), or use another optimizer."
+        )
+    if not isinstance(optimizer, NORMALIZING):
         return None
     acting = [leaf for leaf in transform.leaves() if leaf.folds != "identity"]
     if not acting or not all(leaf.fixed_factors() for leaf in acting):

@@ -6,8 +6,10 @@ multipliers={"0": 3.0})`` moved an MLP's weights by 5e-7 under AdamW in 50 steps
 With ``apply_to="update"`` (``rescale``, ``weight_norm_drift``,
 ``scale_by_trust_ratio``) the factor ``f`` multiplies what the step changes
 instead, ``w <- w_before + f * (w_after - w_before)``: a per-layer learning-rate
-scale, weight decay included, under any optimizer. Under plain SGD it equals the
-gradient-level factor; so it does under momentum while the factor is constant::
+scale, weight decay included, under any optimizer that makes one update per
+``step()`` (not ``LBFGS``, whose step evaluates its closure several times: refused,
+``ValueError``). Under plain SGD without weight decay it equals the gradient-level
+factor; so it does under momentum while the factor is constant::
 
     policy = fxgrad.rescale(alpha=0, multipliers={"stem": 3.0}, apply_to="update")
     model = torch.compile(model, backend=fxgrad.backend(policy))
@@ -54,6 +56,12 @@ class UpdateFactors:
     def before_step(self, optimizer: torch.optim.Optimizer, models: list[tuple[nn.Module, str]] | None = None) -> None:
         """Copy the weights ``optimizer`` is about to step that have an update factor
         (``models``: where to find their layers, the backend's models by default)."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "optimizer: LBFGS evaluates its closure several times within one step(), and an update-level "
+                "factor (apply_to='update') would scale only the last of those moves; use apply_to='grad', "
+                "or an optimizer that makes one update per step()"
+            )
         layer_of = self._layer_of(self.models() if models is None else models)
         copies = [
             (p, layer_of[id(p)], p.detach().clone())

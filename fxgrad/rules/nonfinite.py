@@ -37,6 +37,7 @@ class ZeroNonfinite(Leaf):
     """
 
     name = "zero_nonfinite"
+    keeps_signs = False  # zeroes elements
     reach = "element"
     local_shards = True
     per_layer = False
@@ -89,6 +90,7 @@ class SkipNonfinite(Leaf):
     """
 
     name = "skip_nonfinite"
+    keeps_signs = False  # zeroes elements
     reach = "group"
     per_layer = False
     hides_nonfinite = True

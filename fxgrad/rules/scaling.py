@@ -337,6 +337,7 @@ class BalanceNorms(Leaf):
     """
 
     name = "balance_norms"
+    keeps_signs = False  # adds a term
     reach = "group"
 
     k: int = 5
