@@ -161,6 +161,29 @@ def fold_under(rank: int, world: int, wrapper: str) -> None:
 
 
 @on_each_rank
+def fold_in_graph_scope(rank: int, world: int) -> None:
+    """backend.fold() with scope="graph" under DDP: each rank's backward has a factor of its own,
+    which the fused update would apply to the averaged gradients (the replicas drift apart).
+    fold() says so and leaves the factor to the backward: the replicas stay equal."""
+    model, x = model_and_data()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager", scope="graph")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend.fold(optimizer)
+    assert any("each rank would have a factor of its own" in str(w.message) for w in caught)
+    ddp = nn.parallel.DistributedDataParallel(backend.compile(model))
+    for _ in range(3):
+        loss(ddp(half(x, rank, world))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, p in model.named_parameters():
+        copies = [torch.zeros_like(p) for _ in range(world)]
+        dist.all_gather(copies, p.detach().clone())
+        torch.testing.assert_close(copies[0], copies[1], rtol=0, atol=0, msg=name)
+
+
+@on_each_rank
 def ddp_local(rank: int, world: int, wrapper: str) -> None:
     """scope="graph" under DDP: each rank rescales its own gradient, then DDP averages."""
     model, x = model_and_data()

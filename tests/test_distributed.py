@@ -37,6 +37,10 @@ def test_fold_equals_one_process_with_clip_grad_norm(wrapper):
     launch(checks.fold_under, wrapper)
 
 
+def test_fold_in_graph_scope_under_ddp_leaves_the_factor_to_each_ranks_backward():
+    launch(checks.fold_in_graph_scope)
+
+
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_ddp_local_rescales_before_the_all_reduce(wrapper):
     launch(checks.ddp_local, wrapper)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from fxgrad import _compat
 from fxgrad.core.rule import Transform
 
 FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # their fused update reads grad_scale
@@ -71,6 +72,13 @@ def check(optimizer: Any) -> None:
 def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scope: str, compiled: bool) -> str | None:
     """Why this combination falls back to a scaling pass, or ``None`` when it folds
     (``compiled``: backward graphs holding parameters exist already)."""
+    if scope == "graph" and _compat.data_parallel_world_size() > 1:
+        return (
+            "in graph scope each rank's backward reads its own gradients, so each rank would have a factor of its "
+            "own, and the update would apply it to the averaged gradients: the replicas would drift apart. The "
+            "backward graph applies the factor (each rank's own, as graph scope under DDP does); step scope "
+            "(scope='auto' or 'step') folds one factor for all ranks"
+        )
     if scope == "graph" and compiled:
         return (
             "in graph scope, call fold() before the model's first forward: the backward graphs compiled "
