@@ -12,6 +12,7 @@ from parity import assert_grads_close, coverage_silent
 from test_coverage import BrokenMLP
 
 import fxgrad
+from fxgrad import _compat
 
 POLICIES = {
     "global_clip": (fxgrad.clip_by_global_norm(1e-3), lambda m: ref.clip_global(m, 1e-3)),
@@ -520,3 +521,17 @@ def test_a_step_argument_that_is_not_a_closure_is_passed_on():
     weight.grad = torch.ones(3)
     Scaled([weight], lr=0.1).step(0.5)
     torch.testing.assert_close(weight.detach(), torch.full((3,), 0.95))
+
+
+def test_a_backward_compiled_before_the_process_group_is_refused_once_there_is_one(monkeypatch):
+    """scope="auto" compiles in graph scope outside torch.distributed (a sanity step before
+    init_process_group): once a group exists it is step scope, and that graph would apply the
+    policy a second time."""
+    model, _ = mlp_and_copy()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    compiled = backend.compile(model)
+    x = torch.randn(4, 16)
+    models.loss_of(compiled(x)).backward()
+    monkeypatch.setattr(_compat, "data_parallel_world_size", lambda: 2)  # init_process_group(world_size=2)
+    with pytest.raises(fxgrad.CoverageError, match="would apply twice"):
+        compiled(x)

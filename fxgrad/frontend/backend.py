@@ -32,7 +32,13 @@ from fxgrad import _compat, passes
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry, validate_skip
 from fxgrad.core.rule import Transform, listed
 from fxgrad.frontend import fold as folding
-from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, policy_misses, refuse_flat_parameters
+from fxgrad.frontend.coverage import (
+    CoverageCheck,
+    CoverageError,
+    CoverageWarning,
+    policy_misses,
+    refuse_flat_parameters,
+)
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
@@ -54,6 +60,13 @@ from fxgrad.passes.capture import CapturedGraph, Root, capture
 from fxgrad.passes.graphtext import normalize_code, render_inserted
 from fxgrad.passes.record import gc_paused
 from fxgrad.runtime.state import StateStore, group_label
+
+SCOPE_CHANGED = (
+    "fxgrad: this backward graph applies the policy itself: scope='auto' compiled it in graph scope, before "
+    "torch.distributed was initialized. Now scope='auto' is step scope and also runs the policy at "
+    "optimizer.step(), so it would apply twice. Compile and run the model after init_process_group, call "
+    "torch.compiler.reset() once it is initialized, or pass scope='step' to fxgrad.backend()"
+)
 
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
 SCOPES = ("auto", "graph", "step")
@@ -234,6 +247,8 @@ class Backend:
             # BackendCompilerFailed, and the graph stays usable once it is off.
             if self._coverage is not None and self.current_scope() == "graph":
                 self._coverage.compiled_autograd()
+            if not step_scope and graph.params and self.current_scope() == "step":
+                raise CoverageError(SCOPE_CHANGED)
             self._graph_runs += 1  # lets compile() see forwards that ran no compiled graph
             if graph.params and args[graph.params[0].index] is not graph.params[0].tensor():
                 self._rebind(graph, args)
