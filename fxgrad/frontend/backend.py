@@ -275,8 +275,8 @@ class Backend:
         """
         self.registry.rebound()
         before = graph.params  # rebind replaces the list
-        if graph.rebind(args) or self._coverage is None:
-            return
+        if graph.rebind(args) or self._coverage is None or self.current_scope() == "step":
+            return  # step scope: the graph is a plain one, and the policy's state is per layer of the model
         if id(args[graph.params[0].index]) not in graph.reused:
             self.registry.note_reuse(graph, [p.tensor() for p in before] + [args[p.index] for p in graph.params])
         self._coverage.warn(
