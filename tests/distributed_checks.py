@@ -72,9 +72,9 @@ def on_each_rank(check):
     return run
 
 
-def model_and_data():
+def model_and_data(outputs: int = 4):
     model = nn.Sequential(
-        nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)
+        nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, outputs)
     )
     x = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(1))
     return model, x
@@ -269,15 +269,18 @@ def auto_scope_is_exact(rank: int, world: int, wrapper: str) -> None:
 
 
 @on_each_rank
-def fsdp2(rank: int, world: int, policy: str, wrapper: str | None = None, compiler: str = "aot_eager") -> None:
+def fsdp2(
+    rank: int, world: int, policy: str, wrapper: str | None = None, compiler: str = "aot_eager", outputs: int = 4
+) -> None:
     """scope="step" on FSDP2's sharded DTensor gradients: norms over whole layers.
 
     The compiled step program runs the local shards, all-reducing the layer norms; a
     policy with a rule that reads whole rows runs eagerly on the DTensors, and says so.
     With ``wrapper``, the sharded model is compiled with the backend and
-    ``optimizer.step()`` applies the policy; without, ``backend.step(model)``."""
+    ``optimizer.step()`` applies the policy; without, ``backend.step(model)``.
+    ``outputs=1``: the head's one row leaves rank 1 with empty shards."""
     make, reference = POLICIES[policy]
-    model, x = model_and_data()
+    model, x = model_and_data(outputs)
     whole = copy.deepcopy(model)
     shard_layers(model)
     backend = fxgrad.backend(make(), compiler=compiler, scope="step")

@@ -61,6 +61,11 @@ def test_fsdp2_norms_span_the_shards(policy):
     launch(checks.fsdp2, policy)
 
 
+@pytest.mark.parametrize("policy", ["agc", "sinkhorn"])
+def test_fsdp2_row_rules_with_a_rank_of_empty_shards(policy):
+    launch(checks.fsdp2, policy, None, "aot_eager", 1)
+
+
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_fsdp2_step_program_on_local_shards_equals_one_process(compiler):
     launch(checks.fsdp2_program_steps, compiler)

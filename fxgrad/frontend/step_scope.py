@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat
@@ -115,7 +116,15 @@ def apply_to_grads(
         for layer, ps in params.items():
             for param, grad in zip(ps, grads[layer]):
                 if grad is not param.grad:
-                    param.grad.copy_(grad)
+                    param.grad.copy_(_placed_like(grad, param.grad))
+
+
+def _placed_like(value: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``value`` with ``grad``'s placements: a DTensor rule's result on a rank's empty shard (a
+    2-row head on 4 ranks) can come back replicated, which ``copy_`` will not redistribute."""
+    if isinstance(grad, DTensor) and isinstance(value, DTensor) and value.placements != grad.placements:
+        return value.redistribute(grad.device_mesh, grad.placements)
+    return value
 
 
 SAME_NAMES = (
