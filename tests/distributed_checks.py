@@ -304,6 +304,23 @@ def fsdp2(
 
 
 @on_each_rank
+def fsdp2_in_graph_scope(rank: int, world: int, wrapper: str) -> None:
+    """scope="graph" on an FSDP2 model: its forward gathers the parameters outside the compiled
+    graphs, so the policy would do nothing; refused, naming step scope."""
+    model, x = model_and_data()
+    shard_layers(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="graph")
+    try:
+        forward = compiled(model, backend, wrapper)
+        loss(forward(half(x, rank, world))).backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+    except ValueError as error:
+        assert "FSDP2's fully_shard" in str(error) and "scope='step'" in str(error), error
+    else:
+        raise AssertionError("graph scope on an FSDP2 model was not refused")
+
+
+@on_each_rank
 def fsdp2_program_steps(rank: int, world: int, compiler: str) -> None:
     """The compiled step program on FSDP2's local shards equals the same policy in one process
     on the whole gradients, step by step, state and statistics included: a skipped

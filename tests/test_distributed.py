@@ -61,6 +61,11 @@ def test_fsdp2_norms_span_the_shards(policy):
     launch(checks.fsdp2, policy)
 
 
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_fsdp2_in_graph_scope_is_refused(wrapper):
+    launch(checks.fsdp2_in_graph_scope, wrapper)
+
+
 @pytest.mark.parametrize("policy", ["agc", "sinkhorn"])
 def test_fsdp2_row_rules_with_a_rank_of_empty_shards(policy):
     launch(checks.fsdp2, policy, None, "aot_eager", 1)

@@ -38,6 +38,7 @@ from fxgrad.frontend.coverage import (
     CoverageWarning,
     policy_misses,
     refuse_flat_parameters,
+    refuse_fsdp2_in_graph_scope,
 )
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import GraphPlan, plan_graph
@@ -738,6 +739,8 @@ class Backend:
             return
         self._met.add(model)
         refuse_flat_parameters(model)
+        if self.current_scope() == "graph":
+            refuse_fsdp2_in_graph_scope(model)
         self.check_policy_reaches(model)
         name = policed_elsewhere(model, self) if at_step else None
         if name is not None:

@@ -121,6 +121,25 @@ def refuse_flat_parameters(model: nn.Module) -> None:
         )
 
 
+def refuse_fsdp2_in_graph_scope(model: nn.Module) -> None:
+    """Raise ``ValueError`` if ``model`` holds FSDP2 modules (``fully_shard``): their forward
+    gathers the parameters outside any compiled graph, so no backward graph holds a parameter
+    and graph scope would do nothing. Step scope runs on the sharded ``.grad``."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = next((name for name, m in model.named_modules() if isinstance(m, FSDPModule)), None)
+    if sharded is not None:
+        where = repr(sharded) if sharded else "its root"
+        raise ValueError(
+            f"scope: {type(model).__name__} is sharded with FSDP2's fully_shard (at {where}), "
+            "whose forward gathers the parameters outside the compiled graphs: in graph scope no backward graph "
+            "holds them and the policy would do nothing. Use scope='step' (the default, 'auto', is step scope "
+            "when torch.distributed has more than one process)"
+        )
+
+
 def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model: nn.Module) -> list[str]:
     """Warnings for the routing keys and added skip entries that match no layer of
     ``model``: they do nothing (a typo, or a tied weight that belongs to another layer)."""
