@@ -552,7 +552,8 @@ class Backend:
         """``model``'s gradients as the optimizer applies them (no sync): while :meth:`fold` is on,
         ``.grad`` times the folded factor until the folded step, which writes that product back
         to ``.grad``; ``.grad`` itself otherwise. In step scope the policy runs first if it has
-        not run on these gradients (as :meth:`step` does)."""
+        not run on these gradients (as :meth:`step` does, advancing its state): call it once the
+        step's gradients are complete (after the last micro-batch), not between micro-batches."""
         if self._folded and self.current_scope() == "step" and self._step_models():
             self.step()
         grads = {name: p for name, p in model.named_parameters() if p.grad is not None}
