@@ -122,9 +122,9 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> 
         if not moot:
             return None
         return (
-            f"fxgrad: {', '.join(map(repr, moot))} only multiply(ies) gradient elements by factors > 0, and "
-            f"{type(optimizer).__name__} moves each weight by the sign of its gradient alone: the weights move "
-            "as without them. Put the factor on the update (apply_to='update'), or use another optimizer."
+            f"fxgrad: {type(optimizer).__name__} moves each weight by the sign of its gradient alone, and these "
+            f"rules only multiply gradient elements by factors > 0: {', '.join(map(repr, moot))}. The weights "
+            "move as without them. Put the factor on the update (apply_to='update'), or use another optimizer."
         )
     if not isinstance(optimizer, NORMALIZING):
         return None
