@@ -42,6 +42,9 @@ def test_step_scope_reports_what_optimizer_step_applies():
         "skipped: is a LayerNorm",
     ]
     assert report.inserted == ""  # the backward graph is left alone
+    on_update = fxgrad.rescale(alpha=0, multipliers={"0": 2.0}, apply_to="update")
+    report = fxgrad.explain(model, torch.randn(2, 4), backend=aot(on_update, scope="step"))
+    assert report.layers[0].action.endswith(")  (at optimizer.step)")  # the gradient is left alone
 
 
 def test_global_clip_covers_skipped_layers_and_says_so():

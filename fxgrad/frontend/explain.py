@@ -230,6 +230,7 @@ def _decisions(model: nn.Module, probe: Backend, step_scope: list | None) -> lis
     )
     for graph in probe.graphs:
         seen |= {layer.name for layer in graph.layers}
+    on_grad = {layer.name for route in routes if route.leaf.apply_to == "grad" for layer in route.layers}
     for route in routes:
         for layer in route.layers:
             action = route.leaf.on_layer(layer)
@@ -243,7 +244,8 @@ def _decisions(model: nn.Module, probe: Backend, step_scope: list | None) -> lis
         elif name not in seen:
             action = "not captured: " + _where(probe, name)
         elif name in actions:
-            action = " -> ".join(actions[name]) + ("  (on .grad, at optimizer.step)" if step_scope is not None else "")
+            where = "  (on .grad, at optimizer.step)" if name in on_grad else "  (at optimizer.step)"
+            action = " -> ".join(actions[name]) + (where if step_scope is not None else "")
             if reason:
                 action += f"  (per-layer transforms skip it: {reason})"
         elif reason:
