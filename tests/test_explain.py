@@ -189,3 +189,18 @@ def test_a_model_without_trainable_parameters_is_refused():
     model = nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter that requires grad"):
         fxgrad.explain(model, torch.randn(2, 4), backend=aot(fxgrad.clip_by_norm(1.0)))
+
+
+class NoGradOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            return self.fc(x)
+
+
+def test_an_output_without_a_gradient_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="output has no gradient"):
+        fxgrad.explain(NoGradOutput(), torch.randn(2, 4), backend=aot(fxgrad.clip_by_norm(1.0)))

@@ -269,6 +269,11 @@ def _loss_of(output: Any) -> torch.Tensor:
     floats = [t for t in _tensors(output) if t.is_floating_point()]
     if not floats:
         raise ValueError("explain needs a model output with a .loss or floating-point tensors")
+    if not any(t.requires_grad for t in floats):
+        raise ValueError(
+            "explain runs one backward, and the model's output has no gradient (computed under torch.no_grad(), "
+            "or from no trainable parameter): nothing would reach the policy"
+        )
     return sum(t.float().sum() for t in floats)
 
 
