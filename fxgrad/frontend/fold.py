@@ -101,7 +101,9 @@ def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scop
         )
     per_layer = [leaf for leaf in leaves if leaf.folds is None and leaf.apply_to == "grad"]
     if per_layer or not any(leaf.folds == "global" for leaf in leaves):
-        shown = ", ".join(repr(leaf) for leaf in per_layer) or "no global factor"
+        if not per_layer:
+            return "only a single global factor folds into grad_scale, and the policy has none: nothing to fold"
+        shown = ", ".join(repr(leaf) for leaf in per_layer)
         return f"only a single global factor folds into grad_scale, and the policy has {shown}: {applies} the factors"
     return None
 
