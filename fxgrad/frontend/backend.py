@@ -246,9 +246,10 @@ class Backend:
                 return compiled(*args)  # Dynamo's DDP optimizer runs each bucket's graph on fake values once
             # Checked per call, not at compile: Dynamo would wrap the error in
             # BackendCompilerFailed, and the graph stays usable once it is off.
-            if self._coverage is not None and self.current_scope() == "graph":
+            scope = self.current_scope()
+            if self._coverage is not None and scope == "graph":
                 self._coverage.compiled_autograd()
-            if not step_scope and graph.params and self.current_scope() == "step":
+            if not step_scope and graph.params and scope == "step":
                 raise CoverageError(SCOPE_CHANGED)
             self._graph_runs += 1  # lets compile() see forwards that ran no compiled graph
             if graph.params and args[graph.params[0].index] is not graph.params[0].tensor():

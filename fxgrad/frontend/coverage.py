@@ -112,10 +112,10 @@ def refuse_flat_parameters(model: nn.Module) -> None:
         return
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    wrapped = next((name for name, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)), None)
+    wrapped = _where_held(model, FullyShardedDataParallel)
     if wrapped is not None:
         raise TypeError(
-            f"model: {type(model).__name__} holds FSDP1's FullyShardedDataParallel (at {wrapped or 'the root'!r}), "
+            f"model: {type(model).__name__} holds FSDP1's FullyShardedDataParallel ({wrapped}), "
             "which flattens each wrapped module's parameters into one; fxgrad sees no layers there. Shard with "
             "FSDP2 instead: torch.distributed.fsdp.fully_shard"
         )
@@ -129,15 +129,20 @@ def refuse_fsdp2_in_graph_scope(model: nn.Module) -> None:
         return
     from torch.distributed.fsdp import FSDPModule
 
-    sharded = next((name for name, m in model.named_modules() if isinstance(m, FSDPModule)), None)
+    sharded = _where_held(model, FSDPModule)
     if sharded is not None:
-        where = repr(sharded) if sharded else "its root"
         raise ValueError(
-            f"scope: {type(model).__name__} is sharded with FSDP2's fully_shard (at {where}), "
+            f"scope: {type(model).__name__} is sharded with FSDP2's fully_shard ({sharded}), "
             "whose forward gathers the parameters outside the compiled graphs: in graph scope no backward graph "
             "holds them and the policy would do nothing. Use scope='step' (the default, 'auto', is step scope "
             "when torch.distributed has more than one process)"
         )
+
+
+def _where_held(model: nn.Module, kind: type) -> str | None:
+    """Where in ``model`` the first module of type ``kind`` is, for a message (``None``: nowhere)."""
+    name = next((name for name, module in model.named_modules() if isinstance(module, kind)), None)
+    return None if name is None else f"at {name!r}" if name else "at its root"
 
 
 def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model: nn.Module) -> list[str]:

@@ -119,8 +119,11 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> 
     if transform is None:
         return None
     if isinstance(optimizer, SIGN_ONLY):
-        moot = [leaf for leaf in transform.leaves() if leaf.folds != "identity" and leaf.apply_to == "grad"]
-        moot = [leaf for leaf in moot if leaf.keeps_signs]
+        moot = [
+            leaf
+            for leaf in transform.leaves()
+            if leaf.folds != "identity" and leaf.apply_to == "grad" and leaf.keeps_signs
+        ]
         if not moot:
             return None
         return (
