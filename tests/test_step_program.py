@@ -222,6 +222,39 @@ def test_parameter_walk_follows_every_change_to_a_model():
         assert after is not before and after == tuple(model.parameters())
 
 
+def test_the_policy_runs_once_per_set_of_gradients_whichever_parameters_ask():
+    """Step scope's record of the gradients the policy ran on, asked by the parameters of the
+    last run (the fast path) or by others (a GAN optimizer stepping one of two models)."""
+    from fxgrad.frontend.step_scope import SeenGrads
+
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    both, only_b = (a, b), (b,)
+    seen = SeenGrads()
+
+    def changed(params):
+        return seen.changed(params, [p.grad for p in params])
+
+    def record(params):
+        seen.record(params, [p.grad for p in params])
+
+    a.grad, b.grad = torch.ones(2), torch.ones(2)
+    assert changed(both)
+    record(both)
+    assert not changed(both) and not changed(only_b)
+    record(both)
+    b.grad = torch.ones(2)  # a new gradient of the same version
+    assert changed(both)
+    record(both)
+    b.grad.add_(1)  # accumulated into
+    assert changed(both) and changed(only_b)
+    record(only_b)  # b's optimizer ran the policy
+    assert not changed(both)  # a as the first record saw it, b as the second
+    a.grad = torch.ones(2)
+    assert changed(both) and not changed(only_b)
+    a.grad = None  # a parameter without a gradient is not looked at
+    assert not changed(both)
+
+
 class SlicedLayers(nn.Module):
     """A forward that builds a module: slicing a ModuleList, as transformers' decoders do
     (``for layer in self.layers[: self.config.num_hidden_layers]``)."""

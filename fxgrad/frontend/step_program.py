@@ -31,6 +31,8 @@ the tests exercise quickly); with ``"inductor"`` it is compiled.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -47,6 +49,10 @@ from fxgrad.passes.record import gc_paused
 from fxgrad.runtime import norm_math
 from fxgrad.runtime.state import StateStore
 
+# C getters, which ``map`` runs over a step's parameters without a Python frame per tensor
+GRAD = operator.attrgetter("grad")
+OWNER_GRAD = operator.attrgetter("tensor.grad")
+
 
 class StepPrograms:
     """The compiled step programs of one backend, by layout."""
@@ -59,7 +65,7 @@ class StepPrograms:
         # the parameters programs read weights of, by name (kept with the owners they came from)
         self._weights: tuple[Sequence[Owner] | None, dict[str, torch.Tensor]] = (None, {})
         self._last: tuple[Any, Callable[[Sequence[torch.Tensor]], bool], Any] = (None, lambda grads: False, None)
-        self._routes: tuple[tuple, Any] | None = None  # the last step's key and routes
+        self._routes: tuple[Sequence, tuple, Any] | None = None  # the last step's parameters, key and routes
         self._routings: dict[tuple, int] = {}  # routes and parameter names -> a small int, for program keys
         self._last_routing: tuple[Any, int] = (None, -1)  # the last routes seen, and their int
 
@@ -76,11 +82,11 @@ class StepPrograms:
 
         Routing walks every module and matches every layer against the skip list: too slow to
         repeat on every step of a launch-bound model."""
-        with_grad = tuple(id(p) for p in params if p.grad is not None)
+        with_grad = tuple(map(operator.is_not, map(GRAD, params), itertools.repeat(None)))
         key = (tuple((id(model), prefix) for model, prefix in models), with_grad, tuple(order))
-        if self._routes is None or self._routes[0] != key:
-            self._routes = key, compute()  # holds the parameters, so their ids stay theirs
-        return self._routes[1]
+        if self._routes is None or self._routes[0] is not params or self._routes[1] != key:
+            self._routes = params, key, compute()  # holds the parameters, so their ids stay theirs
+        return self._routes[2]
 
     def run(
         self,
@@ -96,9 +102,9 @@ class StepPrograms:
         runs the rules eagerly)."""
         if self._broken is not None:
             return False
-        grads = [o.tensor.grad for o in owners]
+        grads = list(map(OWNER_GRAD, owners))
         group = None
-        if any(type(g) is not torch.Tensor for g in grads):
+        if set(map(type, grads)) != {torch.Tensor}:
             group, why = _shard_group(grads, routes)
             if group is None:
                 self._eager(

@@ -29,9 +29,11 @@ optimizer does.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed
@@ -51,7 +53,7 @@ from fxgrad.core.layers import (
 from fxgrad.core.rule import Route, Transform
 from fxgrad.frontend.coverage import CoverageError, CoverageWarning
 from fxgrad.frontend.step_check import optimizer_pre_hook
-from fxgrad.frontend.step_program import StepPrograms
+from fxgrad.frontend.step_program import GRAD, StepPrograms
 from fxgrad.runtime.executor import run_policy
 from fxgrad.runtime.state import StateStore
 
@@ -221,7 +223,7 @@ class StepScope:
         active: Callable[[], bool],
     ) -> None:
         self.models, self.run, self.scaler, self.after, self.active = models, run, scaler, after, active
-        self._seen: dict[int, tuple[weakref.ref, int]] = {}
+        self._seen = SeenGrads()
         self._armed = False
         self._walks: dict[tuple[int, ...], ModelParameters] = {}  # by the ids of the models walked
         self._ids: tuple[tuple, frozenset] = ((), frozenset())  # the last walk, and its parameters' ids
@@ -236,12 +238,10 @@ class StepScope:
         """Run the policy on ``models``' gradients (``params``: their parameters, if known),
         unless it already ran on them."""
         params = self.parameters(models) if params is None else params
-        if not self._changed(params):
+        if not self._seen.changed(params, list(map(GRAD, params))):
             return
         self.run(models, scaler, params)
-        have = [p for p in params if p.grad is not None]
-        grads = [p.grad for p in have]
-        self._seen.update(zip(map(id, have), zip(map(weakref.ref, grads), map(_compat.tensor_version, grads))))
+        self._seen.record(params, list(map(GRAD, params)))
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.active():
@@ -273,11 +273,52 @@ class StepScope:
             self._ids = params, frozenset(map(id, params))
         return self._ids[1]
 
-    def _changed(self, params: Iterable[nn.Parameter]) -> bool:
-        for p in params:
-            if p.grad is None:
-                continue
-            ref, version = self._seen.get(id(p), (None, None))
-            if ref is None or ref() is not p.grad or version != _compat.tensor_version(p.grad):
-                return True
+
+class SeenGrads:
+    """The gradients the policy ran on, so that it runs once per set of gradients.
+
+    Each parameter's gradient, weakly, and the gradient's version (bumped by an in-place
+    change: accumulation into it, the policy's own writes). The last run's record is kept
+    as lists in the order of its parameters (the kept walk of :meth:`StepScope.parameters`),
+    which the next step compares with C maps over the gradients; other parameters (a GAN's
+    generator, after the policy ran on both models) are looked up one by one::
+
+        seen = SeenGrads()
+        if seen.changed(params, grads):  # grads: each parameter's .grad, or None
+            ...  # run the policy
+            seen.record(params, [p.grad for p in params])
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, int]] = {}  # by parameter id, up to the last record
+        # the last record: its parameters, which of them had a gradient, those gradients weakly, their versions
+        self._last: tuple[Sequence[nn.Parameter], list[bool], list[weakref.ref], list[int]] = ((), [], [], [])
+
+    def changed(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> bool:
+        """Whether a gradient of ``params`` is not the one recorded for its parameter, or changed since."""
+        last, held, refs, versions = self._last
+        if last is params and list(map(operator.is_not, grads, itertools.repeat(None))) == held:
+            grads = list(itertools.compress(grads, held))
+            return any(map(operator.is_not, map(weakref.ref.__call__, refs), grads)) or versions != list(
+                map(_compat.tensor_version, grads)
+            )
+        self._merge_last()
+        for p, grad in zip(params, grads):
+            if grad is not None:
+                ref, version = self._by_id.get(id(p), (None, None))
+                if ref is None or ref() is not grad or version != _compat.tensor_version(grad):
+                    return True
         return False
+
+    def record(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+        """The policy ran on ``grads``, the gradients of ``params`` (``None`` where none)."""
+        if self._last[0] is not params:
+            self._merge_last()
+        held = list(map(operator.is_not, grads, itertools.repeat(None)))
+        grads = list(itertools.compress(grads, held))
+        self._last = params, held, list(map(weakref.ref, grads)), list(map(_compat.tensor_version, grads))
+
+    def _merge_last(self) -> None:
+        params, held, refs, versions = self._last
+        self._by_id.update(zip(map(id, itertools.compress(params, held)), zip(refs, versions)))
+        self._last = (), [], [], []
