@@ -33,6 +33,21 @@ from fxgrad.core import match
 
 SkipEntry = match.Key
 
+# The per-step helpers below map C functions over a step's tensors: no Python frame per
+# tensor, which counts on a launch-bound model's hundred-odd gradients.
+GRAD = operator.attrgetter("grad")
+
+
+def not_none(values: Iterable[object]) -> list[bool]:
+    """``[v is not None for v in values]``, in C."""
+    return list(map(operator.is_not, values, itertools.repeat(None)))
+
+
+def same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects (by identity: ``==`` on tensors compares values)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 DEFAULT_SKIP: tuple[SkipEntry, ...] = (
     nn.LayerNorm,
     nn.GroupNorm,

@@ -58,6 +58,7 @@ class GraphRegistry:
         self._forward_order: list[str] = []  # layer names, first use first
         self._frames: dict[int | None, int] = {}  # Dynamo frame id -> its number here, first compiled first
         self._held: dict[int, weakref.ref] | None = None  # id() -> the parameter, until a graph changes
+        self.generation = 0  # counts changes of what the graphs hold
 
     def add(self, graph: CapturedGraph) -> None:
         # Dynamo discards the graphs of an analysis it restarted (same compile id), and
@@ -68,7 +69,7 @@ class GraphRegistry:
         self.graphs.append(graph)
         self._frames.setdefault(graph.compile_id[0], len(self._frames))
         self._forward_order = merged_order(self._forward_order, dict.fromkeys(p.layer for p in graph.params))
-        self._held = None
+        self._changed()
 
     def holds(self, tensor: object) -> bool:
         """Whether a graph holds ``tensor`` (call :meth:`rebound` when one rebinds).
@@ -81,9 +82,13 @@ class GraphRegistry:
         ref = self._held.get(id(tensor))
         return ref is not None and ref() is tensor
 
+    def _changed(self) -> None:
+        self._held = None
+        self.generation += 1
+
     def rebound(self) -> None:
         """A graph now runs with other parameters (:meth:`CapturedGraph.rebind`)."""
-        self._held = None
+        self._changed()
 
     def note_reuse(self, graph: CapturedGraph, params: Sequence) -> None:
         """Calls ran ``graph`` with the ``params`` of several modules: remember them and their
@@ -97,7 +102,7 @@ class GraphRegistry:
             owner = owners.get(id(param))
             if owner is not None:
                 graph.reused[id(param)] = weakref.ref(param), owner.layer
-        self._held = None
+        self._changed()
 
     def prefix(self, model: object) -> str:
         """The prefix of ``model``'s layer names (see :class:`Root`)."""

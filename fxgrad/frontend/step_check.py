@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import operator
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, Sequence
@@ -41,7 +43,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fxgrad import _compat
-from fxgrad.core.layers import build_layers, model_rows, parameter_owners
+from fxgrad.core.layers import GRAD, build_layers, model_rows, not_none, parameter_owners, same_objects
 from fxgrad.core.rule import Transform
 from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, rnn_hint
 from fxgrad.frontend.graphs import GraphRegistry
@@ -223,6 +225,10 @@ class _Seen:
     grad: Callable[[], Any] = lambda: None  # a stepped parameter's .grad, weakly
     version: int = -1
     unheld: frozenset = frozenset()  # ids of stepped parameters no graph holds, already judged
+    # the optimizer's parameters, whether a graph holds each, and the registry's generation then
+    params: list = dataclasses.field(default_factory=list)
+    held: list[bool] = dataclasses.field(default_factory=list)
+    generation: int = -1
 
 
 class StepCheck:
@@ -269,18 +275,17 @@ class StepCheck:
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.in_graph():
             return
-        probe, unheld = None, []  # the first held parameter with a gradient; the others' ids
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if not self.registry.holds(p):
-                    unheld.append(id(p))
-                elif probe is None:
-                    probe = p
+        seen = self._seen.setdefault(optimizer, _Seen())
+        params = list(itertools.chain.from_iterable(group["params"] for group in optimizer.param_groups))
+        if seen.generation != self.registry.generation or not same_objects(params, seen.params):
+            seen.params, seen.held = params, list(map(self.registry.holds, params))
+            seen.generation = self.registry.generation
+        with_grad = not_none(map(GRAD, params))
+        # the first held parameter with a gradient; the ids of those with one no graph holds
+        probe = next(itertools.compress(params, map(operator.and_, seen.held, with_grad)), None)
+        unheld = list(map(id, itertools.compress(params, map(operator.gt, with_grad, seen.held))))
         if probe is not None:
             self.before_update(optimizer)
-        seen = self._seen.setdefault(optimizer, _Seen())
         if unheld and frozenset(unheld) != seen.unheld:
             seen.unheld = frozenset(unheld)
             self._unheld(seen.unheld)

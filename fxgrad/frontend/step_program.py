@@ -31,7 +31,6 @@ the tests exercise quickly); with ``"inductor"`` it is compiled.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import operator
 import warnings
 from typing import Any, Callable, Sequence
@@ -42,16 +41,14 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fxgrad import _compat
-from fxgrad.core.layers import Owner
+from fxgrad.core.layers import GRAD, Owner, not_none
 from fxgrad.core.rule import Route
 from fxgrad.frontend.rewrite import record_policy
 from fxgrad.passes.record import gc_paused
 from fxgrad.runtime import norm_math
 from fxgrad.runtime.state import StateStore
 
-# C getters, which ``map`` runs over a step's parameters without a Python frame per tensor
-GRAD = operator.attrgetter("grad")
-OWNER_GRAD = operator.attrgetter("tensor.grad")
+OWNER_GRAD = operator.attrgetter("tensor.grad")  # a C getter, see fxgrad.core.layers.GRAD
 
 
 class StepPrograms:
@@ -82,7 +79,7 @@ class StepPrograms:
 
         Routing walks every module and matches every layer against the skip list: too slow to
         repeat on every step of a launch-bound model."""
-        with_grad = tuple(map(operator.is_not, map(GRAD, params), itertools.repeat(None)))
+        with_grad = not_none(map(GRAD, params))
         key = (tuple((id(model), prefix) for model, prefix in models), with_grad, tuple(order))
         if self._routes is None or self._routes[0] is not params or self._routes[1] != key:
             self._routes = params, key, compute()  # holds the parameters, so their ids stay theirs

@@ -43,17 +43,19 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat
 from fxgrad.core.layers import (
+    GRAD,
     ModelParameters,
     Owner,
     ParamRow,
     SkipEntry,
     build_layers,
+    not_none,
     parameter_owners,
 )
 from fxgrad.core.rule import Route, Transform
 from fxgrad.frontend.coverage import CoverageError, CoverageWarning
 from fxgrad.frontend.step_check import optimizer_pre_hook
-from fxgrad.frontend.step_program import GRAD, StepPrograms
+from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.runtime.executor import run_policy
 from fxgrad.runtime.state import StateStore
 
@@ -297,7 +299,7 @@ class SeenGrads:
     def changed(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> bool:
         """Whether a gradient of ``params`` is not the one recorded for its parameter, or changed since."""
         last, held, refs, versions = self._last
-        if last is params and list(map(operator.is_not, grads, itertools.repeat(None))) == held:
+        if last is params and not_none(grads) == held:
             grads = list(itertools.compress(grads, held))
             return any(map(operator.is_not, map(weakref.ref.__call__, refs), grads)) or versions != list(
                 map(_compat.tensor_version, grads)
@@ -314,7 +316,7 @@ class SeenGrads:
         """The policy ran on ``grads``, the gradients of ``params`` (``None`` where none)."""
         if self._last[0] is not params:
             self._merge_last()
-        held = list(map(operator.is_not, grads, itertools.repeat(None)))
+        held = not_none(grads)
         grads = list(itertools.compress(grads, held))
         self._last = params, held, list(map(weakref.ref, grads)), list(map(_compat.tensor_version, grads))
 
