@@ -269,7 +269,13 @@ class CoverageCheck:
         if not any(p.requires_grad for p in model.parameters()):
             return
         layers = build_layers(model_rows(model, "")[0], (), self.skip)
-        if first:
+        rnn = rnn_hint(layers)
+        if rnn:  # the likeliest cause, said alone (the hint follows)
+            why = (
+                f"{'no graph of' if first else 'a forward of'} {type(model).__name__} "
+                f"{'reached the backend' if first else 'ran no compiled graph'}, so torch.compile ran it eagerly"
+            )
+        elif first:
             why = (
                 f"no graph of {type(model).__name__} reached the backend, so torch.compile ran it eagerly "
                 "(Dynamo runs a frame eagerly when it cannot trace it, and when the frame's code was "
@@ -286,7 +292,7 @@ class CoverageCheck:
                 "per new input shape; mark the dimension dynamic or raise the limit)"
             )
         self.report(
-            f"fxgrad: {why}, and the policy {self.transform!r} does nothing.{rnn_hint(layers)}{hint}",
+            f"fxgrad: {why}, and the policy {self.transform!r} does nothing.{rnn}{hint}",
             fatal=any(route.leaf.reach == "group" for route in self.transform.routes(layers)),
         )
 
