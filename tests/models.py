@@ -163,6 +163,26 @@ def llama():
     return LlamaForCausalLM(config), (ids,), {"labels": ids}
 
 
+def t5():
+    """An encoder-decoder: cross-attention, a relative position bias, T5LayerNorm (skipped by name)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    ids = _hf_ids(64)
+    return T5ForConditionalGeneration(config), (ids,), {"labels": _hf_ids(64)}
+
+
 BUILDERS = {
     "mlp": mlp,
     "cnn": cnn,
@@ -171,6 +191,7 @@ BUILDERS = {
     "gpt2": gpt2,
     "bert": bert,
     "llama": llama,
+    "t5": t5,
 }
 
 

@@ -13,7 +13,7 @@ from parity import check_parity
 
 import fxgrad
 
-MODELS = ["mlp", "cnn", "transformer", "lstm", "gpt2", "bert", "llama"]
+MODELS = ["mlp", "cnn", "transformer", "lstm", "gpt2", "bert", "llama", "t5"]
 
 
 def depth_target(depth, layer):
