@@ -45,7 +45,6 @@ from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
 from fxgrad.frontend.step_check import (
     StepCheck,
-    after_closure,
     hand_over,
     policed_elsewhere,
     remove_optimizer_hooks,
@@ -141,19 +140,15 @@ class Backend:
         self._nesting: tuple[list[weakref.ref], list[int]] = ([], [])  # see _step_models
         self._policy_runs = PolicyRuns()  # ... and tells when a loop never lets it run
         self._programs = StepPrograms(compiler)  # ... as compiled programs, by gradient layout
-        # see fold(): the folded optimizers, each with the count of factors the policy had left at its
-        # last step (_factors_left: one per backward in graph scope, per run in step scope)
-        self._folded: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-        # ... and the count as of the last update that applied a factor (after the step: see scaled_grads)
-        self._applied: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         self._step_runs = 0  # runs of the policy in step scope
-        # per folded optimizer: its param groups' sizes as last checked, why grad_scale cannot carry the
-        # factor then (None: it can), and the ids of our parameters then
-        self._fold_checks: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple] = weakref.WeakKeyDictionary()
-        self._told_scaling: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._folds = folding.Folds(  # see fold()
+            transform,
+            self._factors_left,
+            lambda: self.store.stat("folded_factor"),
+            self._our_ids,
+            lambda: self.current_scope() == "graph",
+        )
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._factor_given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
-        self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._told_scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._met: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models checked by _meet
         self._loaded = False  # load_state_dict() ran, and no optimizer step has checked what it placed
@@ -218,7 +213,7 @@ class Backend:
         # watch per forward (the plain torch.compile path), not on every call of every graph.
         unwatched = self._step_check is not None and self._step_check.unwatched(graph)
         # A folded graph leaves its factor to the optimizer: one backward per step may, no more (see fold()).
-        folded = bool(self._folded) and self.current_scope() == "graph"
+        folded = bool(self._folds) and self.current_scope() == "graph"
         step_scope = self.current_scope() == "step"
         count_backwards = unwatched or (folded and bool(graph.params))
         # Step scope: backwards are watched until the policy first runs, to see a loop that never runs it.
@@ -537,17 +532,13 @@ class Backend:
         if why is not None:
             warnings.warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning, stacklevel=2)
             return
-        if optimizer not in self._folded:
-            self._folded[optimizer] = self._applied[optimizer] = self._factors_left()
-            # After the global hooks that give the factor (and after a closure, like them).
-            optimizer.register_step_pre_hook(after_closure(self._folded_step))
-            optimizer.register_step_post_hook(torch.compiler.disable(self._folded_step_done))
+        self._folds.add(optimizer)
         if scope == "step":
             self._step.arm()
 
     def folded_into(self) -> list[torch.optim.Optimizer]:
         """The optimizers :meth:`fold` folds into (while they live)."""
-        return list(self._folded)
+        return self._folds.optimizers()
 
     def scaled_grads(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """``model``'s gradients as the optimizer applies them (no sync): while :meth:`fold` is on,
@@ -555,13 +546,10 @@ class Backend:
         to ``.grad``; ``.grad`` itself otherwise. In step scope the policy runs first if it has
         not run on these gradients (as :meth:`step` does, advancing its state): call it once the
         step's gradients are complete (after the last micro-batch), not between micro-batches."""
-        if self._folded and self.current_scope() == "step" and self._step_models():
+        if self._folds and self.current_scope() == "step" and self._step_models():
             self.step()
         grads = {name: p for name, p in model.named_parameters() if p.grad is not None}
-        count = self._factors_left()
-        owed = {  # the optimizers whose update has not applied the latest factor yet
-            id(p) for opt, last in self._applied.items() if count > last for g in opt.param_groups for p in g["params"]
-        }
+        owed = self._folds.owed()
         factor = self.store.stat("folded_factor") if owed else None
         return {name: (p.grad * factor).to(p.grad.dtype) if id(p) in owed else p.grad for name, p in grads.items()}
 
@@ -608,100 +596,15 @@ class Backend:
                 if id(probe) in stepped:
                     del self._summed[probe]
                     self._coverage.warn(message)
-        folded = optimizer in self._folded
-        if self._folded and not folded:
-            self._check_unfolded_step(optimizer)
-        factors = 0
-        if folded:
-            count = self._factors_left()
-            factors, self._folded[optimizer] = count - self._folded[optimizer], count
-            self._check_folded_step(factors)  # first: a refused step keeps no weight copy
+        factors = self._folds.check_step(optimizer)  # first: a refused step keeps no weight copy
         if self._update_factors is not None:
             self._update_factors.before_step(optimizer)
-        if folded:
-            self._factor_given.add(optimizer)
-            if factors:  # none: a second step on the same gradients, which the last update multiplied
-                self._give_factor(optimizer)
-
-    def _give_factor(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hand the policy's factor to ``optimizer``'s update, or, when its parameter groups
-        changed since :meth:`fold` so that ``grad_scale`` cannot carry it, multiply the gradients
-        of this backend's parameters it steps (warned once)."""
-        factor = self.store.stat("folded_factor")
-        shape = tuple(len(group["params"]) for group in optimizer.param_groups)  # add_param_group changes it
-        checked = self._fold_checks.get(optimizer)
-        if checked is None or checked[0] != shape:
-            ours = self._our_ids()
-            checked = self._fold_checks[optimizer] = shape, folding.step_fallback(optimizer, ours), ours
-        if checked[1] is None:
-            folding.give(optimizer, factor)
-            return
-        ours = checked[2]
-        if optimizer not in self._told_scaling:
-            self._told_scaling.add(optimizer)
-            warnings.warn(
-                f"fxgrad: fold({type(optimizer).__name__}): {checked[1]}: while it does, the factor "
-                "multiplies the gradients of the backend's models in a pass of its own",
-                RuntimeWarning,
-                stacklevel=5,
-            )
-        grads = [
-            p.grad for group in optimizer.param_groups for p in group["params"] if id(p) in ours and p.grad is not None
-        ]
-        if grads:
-            _compat.foreach_mul_(grads, factor)
-
-    def _folded_step_done(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """A folded optimizer stepped: its update applied the factors left so far, and wrote the
-        product back to ``.grad``; drop the ``grad_scale`` fxgrad set."""
-        self._applied[optimizer] = self._folded[optimizer]
-        folding.after_step(optimizer)
-
-    def _folded_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """A folded optimizer steps: say once if the policy gave it no factor (a silent no-op)."""
-        if optimizer in self._factor_given:
-            self._factor_given.discard(optimizer)
-            return
-        if optimizer in self._told_unreached:
-            return
-        self._told_unreached.add(optimizer)
-        warnings.warn(
-            f"fxgrad: fold({type(optimizer).__name__}): optimizer.step() ran and the policy {self.transform!r} "
-            "did not: no model this backend compiled or stepped has parameters in this optimizer. Compile the "
-            "model with the backend (backend.compile(model), torch.compile(model, backend=backend)), or call "
-            "backend.step(model) before optimizer.step().",
-            CoverageWarning,
-            stacklevel=3,
-        )
-
-    def _check_unfolded_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse the step of an optimizer that is not folded while another is: it would apply the
-        gradients of this backend's models without the global factor the policy left to the folded
-        updates (two optimizers over one model, one of them folded)."""
-        ours = self._our_ids()
-        stepped = [p for group in optimizer.param_groups for p in group["params"] if id(p) in ours]
-        if any(p.grad is not None for p in stepped):
-            raise ValueError(
-                f"fold: {type(optimizer).__name__} steps parameters of the models of this backend, and is not "
-                f"folded while {len(self._folded)} other optimizer(s) are: the policy {self.transform!r} left "
-                "its global factor to the folded updates, so this one would apply unscaled gradients. Fold "
-                "every optimizer that steps the model (backend.fold(optimizer) for each), or none."
-            )
+        if factors is not None:
+            self._folds.give_factor(optimizer, factors)
 
     def _our_ids(self) -> frozenset[int]:
         """The ids of the parameters of the models this backend covers (the kept walk)."""
         return self._step.ids(self._step.parameters(self._step_models()))
-
-    def _check_folded_step(self, factors: int) -> None:
-        """Refuse a step of a folded optimizer whose gradients the folded factor does not describe
-        (``factors``: how many the policy left since its last step)."""
-        if self.current_scope() == "graph" and factors > 1:
-            raise ValueError(
-                f"fold in graph scope: {factors} backward passes through the compiled graphs since the last "
-                "step (accumulated micro-batches, a graph break, retain_graph): each applied its own factor, "
-                "which one grad_scale cannot hold. Use fxgrad.backend(..., scope='step'), which applies the "
-                "factor of the whole step's gradient, or do not fold."
-            )
 
     def transform_grads(
         self, model: nn.Module, scaler: Any = None, optimizer: torch.optim.Optimizer | None = None
@@ -790,7 +693,7 @@ class Backend:
             self.registry.forward_order(),
             self._programs,
             params,
-            fold=bool(self._folded),
+            fold=bool(self._folds),
         )
 
     # ------------------------------------------------------------ state

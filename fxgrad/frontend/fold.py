@@ -23,6 +23,9 @@ is the factor and :meth:`fxgrad.Backend.scaled_grads` the gradients with it,
 with no sync. Every other combination runs the policy as before, after one
 warning that says why (docs/performance.md, "The optimizer fold").
 
+:class:`Folds` keeps one backend's folded optimizers: the factors each update has
+applied, the checks before each step, and the hand-over of the factor to ``grad_scale``.
+
 :func:`cancelled` is the other side of the same question, what the update does
 to the policy's factors: an Adam-type update divides out a factor that is the
 same for a layer on every step (docs/transforms.md, "Under which optimizers a
@@ -31,13 +34,16 @@ rule acts").
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from fxgrad import _compat
 from fxgrad.core.rule import Transform
+from fxgrad.frontend.coverage import CoverageWarning
+from fxgrad.frontend.step_check import after_closure
 
 FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # their fused update reads grad_scale
 
@@ -203,3 +209,151 @@ def after_step(optimizer: torch.optim.Optimizer) -> None:
     if optimizer in _SET_HERE:
         _SET_HERE.discard(optimizer)
         del optimizer.grad_scale
+
+
+class Folds:
+    """The optimizers one backend folds into, and the factors each update has applied.
+
+    ``left()`` counts the factors the policy has left to folded updates so far (one per
+    backward through the graphs in graph scope, one per run of the policy in step scope);
+    ``factor()`` is the latest (the statistic ``folded_factor``, a device tensor); ``ours()``
+    the ids of the parameters of the backend's models; ``in_graph()`` whether the policy runs
+    in the backward graphs now::
+
+        folds = Folds(transform, left, factor, ours, in_graph)
+        folds.add(optimizer)                    # once check(), claim() and fallback() allow it
+        factors = folds.check_step(optimizer)   # before each update; raises on one it cannot fold
+        if factors is not None:
+            folds.give_factor(optimizer, factors)  # grad_scale carries the factor
+    """
+
+    def __init__(
+        self,
+        transform: Transform | None,
+        left: Callable[[], int],
+        factor: Callable[[], torch.Tensor],
+        ours: Callable[[], frozenset[int]],
+        in_graph: Callable[[], bool],
+    ) -> None:
+        self.transform = transform
+        self._left, self._factor, self._ours, self._in_graph = left, factor, ours, in_graph
+        # per folded optimizer: the count of factors left as of its last step (see left) ...
+        self._counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        # ... and as of the last update that applied a factor (after the step: see owed)
+        self._applied: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        # its param groups' sizes as last checked, why grad_scale cannot carry the factor then (None:
+        # it can), and the ids of the backend's parameters then
+        self._checks: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple] = weakref.WeakKeyDictionary()
+        self._given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
+        self._told_scaling: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    def __bool__(self) -> bool:
+        return bool(self._counts)
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The folded optimizers (while they live)."""
+        return list(self._counts)
+
+    def add(self, optimizer: torch.optim.Optimizer) -> None:
+        """Fold into ``optimizer`` from its next step on (again: a no-op)."""
+        if optimizer not in self._counts:
+            self._counts[optimizer] = self._applied[optimizer] = self._left()
+            # After the global hooks that give the factor (and after a closure, like them).
+            optimizer.register_step_pre_hook(after_closure(self._stepping))
+            optimizer.register_step_post_hook(torch.compiler.disable(self._stepped))
+
+    def owed(self) -> set[int]:
+        """The ids of the parameters of folded optimizers whose update has not applied the
+        latest factor yet: their ``.grad`` still lacks it."""
+        count = self._left()
+        return {
+            id(p) for opt, last in self._applied.items() if count > last for g in opt.param_groups for p in g["params"]
+        }
+
+    def check_step(self, optimizer: torch.optim.Optimizer) -> int | None:
+        """Before ``optimizer``'s update: how many factors the policy left since its last step
+        (``None``: it is not folded). Raises ``ValueError`` for an update that would apply the
+        gradients without the factor, or with one that does not describe them."""
+        if optimizer not in self._counts:
+            if self._counts:
+                self._check_unfolded(optimizer)
+            return None
+        count = self._left()
+        factors, self._counts[optimizer] = count - self._counts[optimizer], count
+        if self._in_graph() and factors > 1:
+            raise ValueError(
+                f"fold in graph scope: {factors} backward passes through the compiled graphs since the last "
+                "step (accumulated micro-batches, a graph break, retain_graph): each applied its own factor, "
+                "which one grad_scale cannot hold. Use fxgrad.backend(..., scope='step'), which applies the "
+                "factor of the whole step's gradient, or do not fold."
+            )
+        return factors
+
+    def give_factor(self, optimizer: torch.optim.Optimizer, factors: int) -> None:
+        """Hand the policy's factor to ``optimizer``'s update (``factors``: :meth:`check_step`'s;
+        none: a second step on the same gradients, which the last update multiplied). When its
+        parameter groups changed since :meth:`add` so that ``grad_scale`` cannot carry the factor,
+        multiply the gradients of the backend's parameters it steps instead (warned once)."""
+        self._given.add(optimizer)
+        if not factors:
+            return
+        shape = tuple(len(group["params"]) for group in optimizer.param_groups)  # add_param_group changes it
+        checked = self._checks.get(optimizer)
+        if checked is None or checked[0] != shape:
+            ours = self._ours()
+            checked = self._checks[optimizer] = shape, step_fallback(optimizer, ours), ours
+        if checked[1] is None:
+            give(optimizer, self._factor())
+            return
+        ours = checked[2]
+        if optimizer not in self._told_scaling:
+            self._told_scaling.add(optimizer)
+            warnings.warn(
+                f"fxgrad: fold({type(optimizer).__name__}): {checked[1]}: while it does, the factor "
+                "multiplies the gradients of the backend's models in a pass of its own",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        grads = [
+            p.grad for group in optimizer.param_groups for p in group["params"] if id(p) in ours and p.grad is not None
+        ]
+        if grads:
+            _compat.foreach_mul_(grads, self._factor())
+
+    def _stepping(self, optimizer: torch.optim.Optimizer) -> None:
+        """A folded optimizer steps: say once if the policy gave it no factor (a silent no-op)."""
+        if optimizer in self._given:
+            self._given.discard(optimizer)
+            return
+        if optimizer in self._told_unreached:
+            return
+        self._told_unreached.add(optimizer)
+        warnings.warn(
+            f"fxgrad: fold({type(optimizer).__name__}): optimizer.step() ran and the policy {self.transform!r} "
+            "did not: no model this backend compiled or stepped has parameters in this optimizer. Compile the "
+            "model with the backend (backend.compile(model), torch.compile(model, backend=backend)), or call "
+            "backend.step(model) before optimizer.step().",
+            CoverageWarning,
+            stacklevel=3,
+        )
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """A folded optimizer stepped: its update applied the factors left so far, and wrote the
+        product back to ``.grad``; drop the ``grad_scale`` fxgrad set."""
+        self._applied[optimizer] = self._counts[optimizer]
+        after_step(optimizer)
+
+    def _check_unfolded(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse the step of an optimizer that is not folded while another is: it would apply the
+        gradients of the backend's models without the global factor the policy left to the folded
+        updates (two optimizers over one model, one of them folded)."""
+        ours = self._ours()
+        stepped = [p for group in optimizer.param_groups for p in group["params"] if id(p) in ours]
+        if any(p.grad is not None for p in stepped):
+            raise ValueError(
+                f"fold: {type(optimizer).__name__} steps parameters of the models of this backend, and is not "
+                f"folded while {len(self._counts)} other optimizer(s) are: the policy {self.transform!r} left "
+                "its global factor to the folded updates, so this one would apply unscaled gradients. Fold "
+                "every optimizer that steps the model (backend.fold(optimizer) for each), or none."
+            )
