@@ -78,6 +78,14 @@ def deep_mlp(scale: float = 1.0):
     return nn.Sequential(*layers, nn.Linear(64, 1)), (torch.randn(32, 64),), {}
 
 
+def wide_mlp(scale: float = 1.0):
+    """Few large tensors (8 x Linear(4096): 134M parameters, 512 MiB), for bench/memory.py:
+    on the CPU one copy of the gradients stands out of the process's resident set."""
+    width = max(64, round(4096 * scale))
+    layers = [nn.Linear(width, width) if i % 2 == 0 else nn.GELU() for i in range(16)]
+    return nn.Sequential(*layers), (torch.randn(32, width),), {}
+
+
 def gpt2_124m(scale: float = 1.0):
     """GPT-2 small (124M parameters: 12 layers, d=768) at full size; ``scale`` < 1 shrinks
     depth and width (the CPU dry run of bench/gpu.sh)."""
@@ -87,7 +95,7 @@ def gpt2_124m(scale: float = 1.0):
     return model, (ids,), {"labels": ids}
 
 
-MODELS = {"gpt2": gpt2, "resnet": resnet, "deep_mlp": deep_mlp, "gpt2_124m": gpt2_124m}
+MODELS = {"gpt2": gpt2, "resnet": resnet, "deep_mlp": deep_mlp, "gpt2_124m": gpt2_124m, "wide_mlp": wide_mlp}
 
 
 def loss_of(output) -> torch.Tensor:

@@ -399,7 +399,9 @@ def pass_scaling(sizes, policies=PASS_POLICIES, samples=3) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--models", default="gpt2,resnet,deep_mlp", help=f"some of {','.join(MODELS)} (gpt2_124m is for bench/gpu.sh)"
+        "--models",
+        default="gpt2,resnet,deep_mlp",
+        help=f"some of {','.join(MODELS)} (gpt2_124m is for bench/gpu.sh, wide_mlp for bench/memory.py)",
     )
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--repeats", type=int, default=7)
