@@ -194,6 +194,36 @@ def test_ordinary_loops_raise_no_warning(compile_with):
     del unused
 
 
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_b: bool):
+        return self.b(x) if use_b else self.a(x)
+
+
+def test_a_layer_first_compiled_after_a_step_is_held_from_then_on(compile_with):
+    """The optimizer-step check keeps, per optimizer, which parameters a graph holds; the graph
+    of the branch first taken at the second step must renew that, or that step's update would
+    not see the policy ran (here: b's update-level multiplier would be skipped)."""
+    model = Branches()
+    policy = fxgrad.rescale(alpha=0, target=1.0, multipliers={"b": 3.0}, apply_to="update")  # per layer
+    compiled = compile_with(fxgrad.backend(policy, compiler="aot_eager"), model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    # the graph without b says so, once: b might be used on other inputs
+    with pytest.warns(fxgrad.CoverageWarning, match="(?s)not applied to.*b .Linear.: in no compiled graph"):
+        compiled(x, False).sum().backward()
+        optimizer.step()
+    optimizer.zero_grad()
+    before = model.b.weight.detach().clone()
+    with coverage_silent():
+        compiled(x, True).sum().backward()
+        optimizer.step()
+    torch.testing.assert_close(model.b.weight - before, -0.1 * 3.0 * model.b.weight.grad)
+
+
 def test_step_scope_on_the_plain_path_needs_no_backend_step(compile_with):
     torch.manual_seed(0)
     model = sequential()
