@@ -269,16 +269,14 @@ class CoverageCheck:
         if not any(p.requires_grad for p in model.parameters()):
             return
         layers = build_layers(model_rows(model, "")[0], (), self.skip)
+        name = type(model).__name__
+        what = f"no graph of {name} reached the backend" if first else f"a forward of {name} ran no compiled graph"
         rnn = rnn_hint(layers)
-        if rnn:  # the likeliest cause, said alone (the hint follows)
-            why = (
-                f"{'no graph of' if first else 'a forward of'} {type(model).__name__} "
-                f"{'reached the backend' if first else 'ran no compiled graph'}, so torch.compile ran it eagerly"
-            )
+        if rnn:  # the likeliest cause, which the hint gives alone
+            cause = ""
         elif first:
-            why = (
-                f"no graph of {type(model).__name__} reached the backend, so torch.compile ran it eagerly "
-                "(Dynamo runs a frame eagerly when it cannot trace it, and when the frame's code was "
+            cause = (
+                " (Dynamo runs a frame eagerly when it cannot trace it, and when the frame's code was "
                 "compiled torch._dynamo.config.recompile_limit times already, which code that many models "
                 "share reaches, e.g. a decorator's wrapper around forward as in transformers, or that "
                 "every compile of the same model class with another backend shares; Dynamo then logs 'hit "
@@ -286,11 +284,11 @@ class CoverageCheck:
                 "as torch.compile(..., isolate_recompiles=True) does)"
             )
         else:
-            why = (
-                f"a forward of {type(model).__name__} ran no compiled graph: Dynamo ran it eagerly, as it "
-                "does once a frame was recompiled torch._dynamo.config.recompile_limit times (e.g. once "
-                "per new input shape; mark the dimension dynamic or raise the limit)"
+            cause = (
+                ", as Dynamo does once a frame was recompiled torch._dynamo.config.recompile_limit times "
+                "(e.g. once per new input shape; mark the dimension dynamic or raise the limit)"
             )
+        why = f"{what}, so torch.compile ran it eagerly{cause}"
         self.report(
             f"fxgrad: {why}, and the policy {self.transform!r} does nothing.{rnn}{hint}",
             fatal=any(route.leaf.reach == "group" for route in self.transform.routes(layers)),
