@@ -548,10 +548,7 @@ class Backend:
         step's gradients are complete (after the last micro-batch), not between micro-batches."""
         if self._folds and self.current_scope() == "step" and self._step_models():
             self.step()
-        grads = {name: p for name, p in model.named_parameters() if p.grad is not None}
-        owed = self._folds.owed()
-        factor = self.store.stat("folded_factor") if owed else None
-        return {name: (p.grad * factor).to(p.grad.dtype) if id(p) in owed else p.grad for name, p in grads.items()}
+        return self._folds.as_applied({name: p for name, p in model.named_parameters() if p.grad is not None})
 
     def _factors_left(self) -> int:
         """How many factors the policy has left to folded updates so far: one per backward

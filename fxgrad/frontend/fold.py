@@ -239,7 +239,7 @@ class Folds:
         self._left, self._factor, self._ours, self._in_graph = left, factor, ours, in_graph
         # per folded optimizer: the count of factors left as of its last step (see left) ...
         self._counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-        # ... and as of the last update that applied a factor (after the step: see owed)
+        # ... and as of the last update that applied a factor (after the step: see as_applied)
         self._applied: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         # its param groups' sizes as last checked, why grad_scale cannot carry the factor then (None:
         # it can), and the ids of the backend's parameters then
@@ -263,13 +263,16 @@ class Folds:
             optimizer.register_step_pre_hook(after_closure(self._stepping))
             optimizer.register_step_post_hook(torch.compiler.disable(self._stepped))
 
-    def owed(self) -> set[int]:
-        """The ids of the parameters of folded optimizers whose update has not applied the
-        latest factor yet: their ``.grad`` still lacks it."""
+    def as_applied(self, params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+        """Each of ``params``' ``.grad`` as its optimizer's update applies it (no sync): times the
+        latest factor for the parameters of folded optimizers whose update has not applied it
+        yet (their ``.grad`` still lacks it), as it is for the others."""
         count = self._left()
-        return {
+        owed = {
             id(p) for opt, last in self._applied.items() if count > last for g in opt.param_groups for p in g["params"]
         }
+        factor = self._factor() if owed else None
+        return {name: (p.grad * factor).to(p.grad.dtype) if id(p) in owed else p.grad for name, p in params.items()}
 
     def check_step(self, optimizer: torch.optim.Optimizer) -> int | None:
         """Before ``optimizer``'s update: how many factors the policy left since its last step
