@@ -1,4 +1,4 @@
-"""The package layout: imports run downward only, and every rule is published from its registry."""
+"""The package layout: imports run downward, every rule is published from its registry, links resolve."""
 
 import ast
 import pathlib
@@ -75,3 +75,28 @@ def test_every_rule_is_public_and_documented():
     listed = set(re.findall(r"^\| `(\w+)\(", readme, flags=re.M))
     composites = {"chain", "by_type", "by_name"}
     assert listed - composites == set(RULES), "the README's rule table and fxgrad's rules differ"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_resolve():
+    """Every relative link in the Markdown files names a file that exists and, with ``#``, a
+    heading in it: pages move (docs/performance.md's log went to bench/results/history.md)."""
+    repo = ROOT.parent
+    pages = [p for p in repo.rglob("*.md") if not {".venv", "build", ".git"} & set(p.relative_to(repo).parts)]
+    anchors = {p.resolve(): {_anchor(h) for h in re.findall(r"^#+ (.*)$", p.read_text(), flags=re.M)} for p in pages}
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text):
+            if target.startswith(("http:", "https:", "mailto:")):
+                continue
+            path = (page.parent / target).resolve() if target else page
+            if not path.exists():
+                broken.append(f"{page.relative_to(repo)}: {target} does not exist")
+            elif anchor and path.suffix == ".md" and anchor not in anchors.get(path, set()):
+                broken.append(f"{page.relative_to(repo)}: {target}#{anchor} names no heading")
+    assert not broken, "\n".join(broken)
