@@ -1,5 +1,6 @@
 """No silent no-ops: graph breaks, uncaptured modules, frozen layers."""
 
+import contextlib
 import copy
 import warnings
 
@@ -303,6 +304,42 @@ def test_backend_compile_gives_another_instance_a_graph_of_its_own():
     models.loss_of(expected(x)).backward()
     ref.clip_global(expected, 1e-3)
     assert_grads_close(second, expected)
+
+
+@pytest.mark.parametrize(
+    "idle,compiler",
+    [
+        ("no_grad", "aot_eager"),
+        ("frozen", "aot_eager"),
+        pytest.param("no_grad", "inductor", marks=pytest.mark.inductor),
+    ],
+)
+def test_a_copy_that_computes_no_gradient_is_not_reported(idle, compiler, compile_with):
+    """An EMA or teacher copy (``copy.deepcopy`` of the compiled model) has the trained
+    model's layer names, so fxgrad prefixes its layers; run under ``no_grad`` or frozen, no
+    policy acts on it, and nothing needs saying (Inductor's compile records the policy for its
+    cache key before it knows of a backward: not for a graph that computes no gradient)."""
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler=compiler)
+    expected = copy.deepcopy(model)
+    compiled = compile_with(backend, model)
+    ema = copy.deepcopy(compiled)
+    if idle == "frozen":
+        ema.requires_grad_(False)
+    x = torch.randn(4, 16)
+    with coverage_silent():
+        for _ in range(2):
+            model.zero_grad()
+            models.loss_of(compiled(x)).backward()
+            with torch.no_grad() if idle == "no_grad" else contextlib.nullcontext():
+                ema(x)
+    models.loss_of(expected(x)).backward()
+    ref.clip_global(expected, 1e-3)
+    assert_grads_close(model, expected)
+    ema.requires_grad_(True)
+    # a copy that trains is told: its layers renamed (backend.compile), or the model's graph reused
+    with pytest.warns(fxgrad.CoverageWarning, match=r"copy\.deepcopy|a second model of the same class"):
+        models.loss_of(ema(x)).backward()
 
 
 class BrokenBlock(nn.Module):

@@ -203,11 +203,13 @@ class Backend:
         self.registry.add(graph)
         if graph.renamed_roots and self._coverage is not None:
             self._coverage.warn(
-                f"fxgrad: a graph's outermost module shares layer names with another module, so its layers "
-                f"are named {', '.join(graph.renamed_roots)}.<layer> (by_name patterns will not match them). "
-                "This happens when a graph break inside a submodule's forward makes Dynamo compile that "
-                "forward alone: compile the model itself, torch.compile(model, backend=backend), so fxgrad "
-                "knows its names."
+                f"fxgrad: a graph's outermost module shares layer names with a module this backend met "
+                f"before, so its layers are named {', '.join(graph.renamed_roots)}.<layer> (by_name patterns "
+                "will not match them). Either a second model with the same names trains with this backend "
+                "(a copy made with copy.deepcopy, a GAN's second network): give it a backend of its own if "
+                "its layers need their names. Or a graph break inside a submodule's forward made Dynamo "
+                "compile that forward alone: compile the model itself, torch.compile(model, backend=backend), "
+                "so fxgrad knows its names."
             )
         # Backward passes are counted for the optimizer.step() check of models compile() does not
         # watch per forward (the plain torch.compile path), not on every call of every graph.
@@ -227,7 +229,7 @@ class Backend:
         # keep_code's record needs the rewrite to run, so it never does.
         plain = step_scope and not self.keep_code
         stand_in = None
-        if not step_scope and self._keyed_cache():
+        if not step_scope and graph.trains and self._keyed_cache():
             stand_in = StandIn.record(graph, example_inputs, functools.partial(self._rewrite_backward, graph, folded))
         if stand_in is not None:
             patches = _compat.cache_keyed(patches, stand_in.key(f"{self!r} scaler={self.scaler is not None}"))

@@ -59,11 +59,13 @@ class Root:
 
     ``prefix`` qualifies its layer names. It is empty, so names match
     ``model.named_modules()``, unless the graph that first saw the model used
-    several models (a GAN step, say): then it is the variable name.
+    several models (a GAN step, say): then it is the variable name; or ``renamed``,
+    when another model had its names already: then it is its class and a number.
     """
 
     module: weakref.ref
     prefix: str
+    renamed: bool = False
 
 
 @dataclasses.dataclass
@@ -81,7 +83,10 @@ class CapturedGraph:
     layers: list = dataclasses.field(default_factory=list)
     routes: list = dataclasses.field(default_factory=list)
     gaps: list = dataclasses.field(default_factory=list)
-    # Prefixes given to modules whose layer names other modules already had:
+    # Whether this graph may compute a parameter's gradient (not run under no_grad, nor frozen:
+    # an EMA copy's graphs do not, and no policy acts on them):
+    trains: bool = True
+    # The prefixes of the modules it trains that were renamed (see Root):
     renamed_roots: list = dataclasses.field(default_factory=list)
     # Whether the rewritten backward reads parameters (None: not rewritten yet). Such a graph,
     # run for several modules, is bound to each call's parameters before that call's backward.
@@ -155,16 +160,17 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
             home = next((roots[key].module() for key, known in owners.items() if id(value) in known), None)
             found.append((index, value, chain, home if home is not None else _find_root(chain, scope)))
     modules = {id(root): (root, chain[0]) for _, _, chain, root in found if root is not None}
-    renamed = []
+    # the modules some of whose parameters this graph may compute gradients of
+    trained = {id(root) for _, value, _, root in found if value.requires_grad} if _compat.may_record_grad(gm) else set()
     for key, (module, source) in modules.items():
         if key not in roots:
             prefix = _variable_name(source) if len(modules) > 1 else ""
             named = parameter_owners(module, prefix)
-            if _names_taken(named, owners):
+            renamed = _names_taken(named, owners)
+            if renamed:
                 prefix = f"{type(module).__name__}#{len(roots)}"
-                renamed.append(prefix)
                 named = parameter_owners(module, prefix)
-            roots[key] = Root(weakref.ref(module), prefix)
+            roots[key] = Root(weakref.ref(module), prefix, renamed)
             owners[key] = named
     params = []
     for index, value, chain, root in found:
@@ -185,7 +191,8 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
             )
         )
     compile_id, attempt = _compat.compile_id(gm)
-    return CapturedGraph(compile_id, attempt, len(placeholders), params, renamed_roots=renamed)
+    renamed = [roots[key].prefix for key in modules if key in trained and roots[key].renamed]
+    return CapturedGraph(compile_id, attempt, len(placeholders), params, trains=bool(trained), renamed_roots=renamed)
 
 
 def graph_model(
