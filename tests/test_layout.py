@@ -94,7 +94,7 @@ def test_links_between_the_docs_resolve():
         for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text):
             if target.startswith(("http:", "https:", "mailto:")):
                 continue
-            path = (page.parent / target).resolve() if target else page
+            path = (page.parent / target if target else page).resolve()
             if not path.exists():
                 broken.append(f"{page.relative_to(repo)}: {target} does not exist")
             elif anchor and path.suffix == ".md" and anchor not in anchors.get(path, set()):
