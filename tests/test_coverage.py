@@ -625,3 +625,27 @@ def test_a_parametrized_weights_originals_are_in_its_layer(scope, compile_with):
     assert_grads_close(model, expected)
     report = fxgrad.explain(Parametrized(), x, backend=fxgrad.backend(policy, compiler="aot_eager", scope=scope))
     assert [row.name for row in report.layers] == ["fc1", "fc2", "fc3"]
+
+
+def test_warnings_name_the_line_of_the_training_loop():
+    """fxgrad warns from inside Dynamo's compile, autograd's backward and optimizer hooks;
+    each warning names the user's line that got there, not a frame of torch or fxgrad."""
+    x = torch.randn(4, 16)
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    compiled = backend.compile(model)
+    twin = copy.deepcopy(compiled)
+    models.loss_of(compiled(x)).backward()
+    with pytest.warns(fxgrad.CoverageWarning, match=r"copy\.deepcopy") as compiling:
+        out = twin(x)  # Dynamo compiles the twin's forward here
+    with pytest.warns(RuntimeWarning, match=r"fold\(AdamW\)") as folding:
+        backend.fold(torch.optim.AdamW(model.parameters(), fused=True))  # after the first forward
+    stepped = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    trained = stepped.compile(models.MLP())
+    with pytest.warns(fxgrad.CoverageWarning, match="neither ran between backward passes") as backward:
+        for _ in range(3):
+            trained.zero_grad()
+            models.loss_of(trained(x)).backward()  # a backward hook sees the gradients dropped
+    for caught in (compiling, folding, backward):
+        assert {w.filename for w in caught} == {__file__}, [(w.filename, w.lineno) for w in caught]
+    del out

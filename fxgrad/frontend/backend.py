@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 import weakref
 from typing import Any, Iterable, Mapping
 
@@ -31,6 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fxgrad import _compat, passes
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry, validate_skip
 from fxgrad.core.rule import Transform, listed
+from fxgrad.core.warn import warn
 from fxgrad.frontend import fold as folding
 from fxgrad.frontend.coverage import (
     CoverageCheck,
@@ -407,7 +407,7 @@ class Backend:
         """Warn for each routing key, multiplier key or added skip entry that reaches no
         layer of ``model`` (each does nothing); compiling the model calls it."""
         for miss in policy_misses(self.transform, self.skip, model):
-            warnings.warn(miss, CoverageWarning, stacklevel=4)
+            warn(miss, CoverageWarning)
 
     def _keyed_cache(self) -> bool:
         """Whether a graph-scope compile looks its backward up in AOTAutograd's on-disk cache,
@@ -532,7 +532,7 @@ class Backend:
         compiled = any(graph.params for graph in self.registry.graphs)
         why = folding.fallback(optimizer, self.transform, scope, compiled)
         if why is not None:
-            warnings.warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning, stacklevel=2)
+            warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning)
             return
         self._folds.add(optimizer)
         if scope == "step":
@@ -574,19 +574,18 @@ class Backend:
             self._report_unplaced()
         if self.scaler is None and optimizer not in self._told_scaled and folding.scaled_by_a_scaler(optimizer):
             self._told_scaled.add(optimizer)
-            warnings.warn(
+            warn(
                 f"fxgrad: a GradScaler steps this fused {type(optimizer).__name__} on gradients it left scaled (a "
                 f"fused optimizer unscales in its own update), and the policy {self.transform!r} read them as "
                 "they are: its norms are the loss scale times too large. Build the backend with "
                 "fxgrad.backend(..., scaler=scaler), which reads the scale on the device.",
                 CoverageWarning,
-                stacklevel=4,
             )
         if optimizer not in self._first_step_seen:  # checks of the optimizer and the policy, once
             self._first_step_seen.add(optimizer)
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
-                warnings.warn(why, CoverageWarning, stacklevel=4)
+                warn(why, CoverageWarning)
             if self.current_scope() == "step":  # graph scope: the step check reports them
                 report_outside(optimizer, self.transform, [model for model, _ in self._step_models()])
         if self._summed:
@@ -649,13 +648,12 @@ class Backend:
         name = policed_elsewhere(model, self) if at_step else None
         if name is not None:
             where = type(model).__name__ + (f".{_compat.module_path(name)}" if name else "")
-            warnings.warn(
+            warn(
                 f"fxgrad: {where} is compiled with another fxgrad backend, whose policy transforms its gradients "
                 f"in the backward already, and this backend's {self.transform!r} runs on them again at the step: "
                 "two policies, one after the other. Give the policy to one of them (compile with plain "
                 "torch.compile when a callback or backend.step() holds it).",
                 CoverageWarning,
-                stacklevel=4,
             )
 
     def _step_models(self) -> list[tuple[nn.Module, str]]:
@@ -753,13 +751,12 @@ class Backend:
         unplaced = self.store.pending()
         if unplaced:
             shown = listed(list(map(repr, unplaced)), 5)
-            warnings.warn(
+            warn(
                 f"fxgrad: {len(unplaced)} state entries given to load_state_dict() match no state of the policy "
                 f"{self.transform!r} at the first optimizer step after loading: {shown}. Their layers or "
                 "statistics are named otherwise here (a model wrapped or renamed since the checkpoint?), so the "
                 "state they hold starts over. They wait, should a graph that needs them compile later.",
                 CoverageWarning,
-                stacklevel=5,
             )
 
 

@@ -13,7 +13,6 @@ unless the backend has ``strict=False``.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -31,6 +30,7 @@ from fxgrad.core.layers import (
     model_rows,
 )
 from fxgrad.core.rule import Route, Transform, listed
+from fxgrad.core.warn import warn
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import GraphPlan
 from fxgrad.passes.capture import CapturedGraph
@@ -312,4 +312,4 @@ class CoverageCheck:
         """Warn once per message with :class:`CoverageWarning`."""
         if message not in self._reported:
             self._reported.add(message)
-            warnings.warn(message, CoverageWarning, stacklevel=4)
+            warn(message, CoverageWarning)

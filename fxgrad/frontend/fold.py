@@ -34,7 +34,6 @@ rule acts").
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Callable
 
@@ -42,6 +41,7 @@ import torch
 
 from fxgrad import _compat
 from fxgrad.core.rule import Transform
+from fxgrad.core.warn import warn
 from fxgrad.frontend.coverage import CoverageWarning
 from fxgrad.frontend.step_check import after_closure
 
@@ -312,11 +312,10 @@ class Folds:
         ours = checked[2]
         if optimizer not in self._told_scaling:
             self._told_scaling.add(optimizer)
-            warnings.warn(
+            warn(
                 f"fxgrad: fold({type(optimizer).__name__}): {checked[1]}: while it does, the factor "
                 "multiplies the gradients of the backend's models in a pass of its own",
                 RuntimeWarning,
-                stacklevel=5,
             )
         grads = [
             p.grad for group in optimizer.param_groups for p in group["params"] if id(p) in ours and p.grad is not None
@@ -332,13 +331,12 @@ class Folds:
         if optimizer in self._told_unreached:
             return
         self._told_unreached.add(optimizer)
-        warnings.warn(
+        warn(
             f"fxgrad: fold({type(optimizer).__name__}): optimizer.step() ran and the policy {self.transform!r} "
             "did not: no model this backend compiled or stepped has parameters in this optimizer. Compile the "
             "model with the backend (backend.compile(model), torch.compile(model, backend=backend)), or call "
             "backend.step(model) before optimizer.step().",
             CoverageWarning,
-            stacklevel=3,
         )
 
     def _stepped(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import itertools
 import operator
-import warnings
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
@@ -45,6 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from fxgrad import _compat
 from fxgrad.core.layers import GRAD, build_layers, model_rows, not_none, parameter_owners, same_objects
 from fxgrad.core.rule import Transform
+from fxgrad.core.warn import warn
 from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, rnn_hint
 from fxgrad.frontend.graphs import GraphRegistry
 
@@ -90,9 +90,7 @@ def report_outside(optimizer: torch.optim.Optimizer, transform: Transform, model
     outside = [p for p in outside if id(p) not in known]
     if outside:
         shapes = ", ".join(str(tuple(p.shape)) for p in outside[:4]) + (", ..." if len(outside) > 4 else "")
-        warnings.warn(
-            OUTSIDE.format(count=len(outside), shapes=shapes, transform=transform), CoverageWarning, stacklevel=5
-        )
+        warn(OUTSIDE.format(count=len(outside), shapes=shapes, transform=transform), CoverageWarning)
 
 
 def hand_over(model: nn.Module, owner: Any) -> None:

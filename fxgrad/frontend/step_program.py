@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -43,6 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fxgrad import _compat
 from fxgrad.core.layers import GRAD, Owner, not_none
 from fxgrad.core.rule import Route
+from fxgrad.core.warn import warn
 from fxgrad.frontend.rewrite import record_policy
 from fxgrad.passes.record import gc_paused
 from fxgrad.runtime import norm_math
@@ -123,11 +123,10 @@ class StepPrograms:
                 return self._build(routes, owners, grads, group, store, scaler, fold)
             except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
                 self._broken = f"{type(error).__name__}: {error}"
-                warnings.warn(
+                warn(
                     f"fxgrad: the compiled step program could not be built ({self._broken}); "
                     "scope='step' runs the policy eagerly, one op at a time",
                     RuntimeWarning,
-                    stacklevel=6,
                 )
                 return None
 
@@ -171,10 +170,9 @@ class StepPrograms:
         """Say once per reason that these gradients run the rules eagerly, one op at a time, and ``why``."""
         if why not in self._told_eager:
             self._told_eager.add(why)
-            warnings.warn(
+            warn(
                 f"fxgrad: scope='step' runs the policy eagerly on these gradients, one op at a time: {why}.",
                 RuntimeWarning,
-                stacklevel=5,
             )
 
     def _routing(self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner]) -> int:

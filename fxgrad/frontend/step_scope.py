@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -53,6 +52,7 @@ from fxgrad.core.layers import (
     parameter_owners,
 )
 from fxgrad.core.rule import Route, Transform
+from fxgrad.core.warn import warn
 from fxgrad.frontend.coverage import CoverageError, CoverageWarning
 from fxgrad.frontend.step_check import optimizer_pre_hook
 from fxgrad.frontend.step_program import StepPrograms
@@ -187,7 +187,7 @@ class PolicyRuns:
         self._dropped[probe] = 0 if dropped is None or accumulating else dropped + 1
         if self._dropped[probe] >= 2 and not torch.distributed.is_initialized():
             self._told = True
-            warnings.warn(DROPPED if written else NOT_WRITTEN, CoverageWarning, stacklevel=6)  # at the backward
+            warn(DROPPED if written else NOT_WRITTEN, CoverageWarning)  # at the backward
 
 
 DROPPED = (

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import Any, Iterable
 
 import torch
@@ -34,6 +33,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry
 from fxgrad.core.rule import Transform
+from fxgrad.core.warn import warn
 from fxgrad.frontend.backend import Backend
 from fxgrad.integrations import check_prefix, check_stats, selected_stats
 
@@ -149,11 +149,10 @@ class FxgradTrainerCallback(TrainerCallback):
             if torch.equal(saved["weights"], weights):
                 self.backend.load_state_dict(saved["state"])
                 return
-            warnings.warn(
+            warn(
                 f"fxgrad: {path} was saved with other weights than those the Trainer resumed from (another run's "
                 "checkpoint at the same step?): not loaded",
                 RuntimeWarning,
-                stacklevel=2,
             )
         self._resumed_without = (state.global_step, " or ".join(folders))
 
@@ -161,13 +160,12 @@ class FxgradTrainerCallback(TrainerCallback):
         # Whether the policy keeps state shows once it ran: say then that a resumed run's starts over.
         if self._resumed_without is not None and self.backend.state_dict():
             step, folders = self._resumed_without
-            warnings.warn(
+            warn(
                 f"fxgrad: the Trainer resumed at step {step}, and no {STATE_FILE} of that checkpoint was found in "
                 f"{folders}: the policy's state (autoclip's history, zclip's statistics, ...) started over. Set "
                 "TrainingArguments(resume_from_checkpoint=<checkpoint>), or load it before train(): "
                 f"callback.backend.load_state_dict(torch.load('<checkpoint>/{STATE_FILE}')['state'])",
                 RuntimeWarning,
-                stacklevel=2,
             )
         self._resumed_without = None
 
