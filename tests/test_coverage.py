@@ -342,6 +342,25 @@ def test_a_copy_that_computes_no_gradient_is_not_reported(idle, compiler, compil
         models.loss_of(ema(x)).backward()
 
 
+def test_a_copy_that_computes_no_gradient_adds_no_per_step_check():
+    """An EMA copy's graphs have no backward: they must not switch on the optimizer-step
+    check's count of backward passes, which then runs on every step of the trained model."""
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    compiled = backend.compile(model)
+    ema = copy.deepcopy(compiled)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 16)
+    with coverage_silent():
+        for _ in range(2):
+            models.loss_of(compiled(x)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                ema(x)
+    assert not backend._step_check._counting
+
+
 class BrokenBlock(nn.Module):
     """A graph break inside the block's forward: Dynamo compiles the block's code once and runs
     that graph for every block, with each block's parameters."""

@@ -212,8 +212,9 @@ class Backend:
                 "so fxgrad knows its names."
             )
         # Backward passes are counted for the optimizer.step() check of models compile() does not
-        # watch per forward (the plain torch.compile path), not on every call of every graph.
-        unwatched = self._step_check is not None and self._step_check.unwatched(graph)
+        # watch per forward (the plain torch.compile path), not on every call of every graph, and
+        # not for a graph that computes no gradient (an EMA copy's).
+        unwatched = self._step_check is not None and graph.trains and self._step_check.unwatched(graph)
         # A folded graph leaves its factor to the optimizer: one backward per step may, no more (see fold()).
         folded = bool(self._folds) and self.current_scope() == "graph"
         step_scope = self.current_scope() == "step"
