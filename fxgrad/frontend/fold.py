@@ -183,13 +183,13 @@ def _fused(optimizer: torch.optim.Optimizer) -> bool:
     return all(group.get("fused") for group in optimizer.param_groups)
 
 
-def give(optimizer: torch.optim.Optimizer, factor: torch.Tensor) -> None:
-    """Make the fused update multiply the gradients by ``factor`` (a device tensor; no sync).
+def give(optimizer: torch.optim.Optimizer, inverse: torch.Tensor) -> None:
+    """Make the fused update multiply the gradients by the factor whose ``inverse`` (a float32
+    device tensor) it is given; no sync.
 
     Within ``GradScaler.step`` (it calls ``optimizer.step()``, whose pre-hook calls this),
     ``grad_scale`` is the loss scale, which the factor divides, or ``None`` after
     ``scaler.unscale_(optimizer)``; the scaler deletes it after the step."""
-    inverse = (1.0 / factor.to(torch.float64)).to(torch.float32)
     if optimizer in _SET_HERE or not hasattr(optimizer, "grad_scale"):
         optimizer.grad_scale = inverse
         _SET_HERE.add(optimizer)
@@ -247,6 +247,7 @@ class Folds:
         self._given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
         self._told_scaling: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._inverses: dict[torch.device, torch.Tensor] = {}  # the factor's inverse, kept per device
 
     def __bool__(self) -> bool:
         return bool(self._counts)
@@ -307,7 +308,12 @@ class Folds:
             ours = self._ours()
             checked = self._checks[optimizer] = shape, step_fallback(optimizer, ours), ours
         if checked[1] is None:
-            give(optimizer, self._factor())
+            factor = self._factor()
+            out = self._inverses.get(factor.device)
+            if out is None:
+                out = self._inverses[factor.device] = torch.empty((), dtype=torch.float32, device=factor.device)
+            # 1 / the float64 factor into grad_scale's float32, rounded once: one op, into a kept tensor
+            give(optimizer, torch.reciprocal(factor, out=out))
             return
         ours = checked[2]
         if optimizer not in self._told_scaling:

@@ -240,10 +240,11 @@ class StepScope:
         """Run the policy on ``models``' gradients (``params``: their parameters, if known),
         unless it already ran on them."""
         params = self.parameters(models) if params is None else params
-        if not self._seen.changed(params, list(map(GRAD, params))):
+        grads = list(map(GRAD, params))
+        if not self._seen.changed(params, grads):
             return
-        self.run(models, scaler, params)
-        self._seen.record(params, list(map(GRAD, params)))
+        self.run(models, scaler, params)  # in place: each .grad stays the tensor it was
+        self._seen.record(params, grads)
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.active():

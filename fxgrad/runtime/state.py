@@ -77,6 +77,7 @@ class Slots:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}  # key -> (offset, shape)
+        self._views: dict[str, torch.Tensor] = {}  # of the buffer, by key (two tensor ops each to make)
         with _compat.outside_dispatch_modes():
             self.buffer = torch.empty(0, dtype=torch.float64, device=device)
 
@@ -93,6 +94,7 @@ class Slots:
                 pieces = [self.buffer] + [v.to(torch.float64).reshape(-1).to(self.device) for v in values]
                 offset = self.buffer.numel()
                 self.buffer = torch.cat(pieces)
+                self._views.clear()
             for key, shape, _ in new:
                 self.layout[key] = (offset, shape)
                 offset += math.prod(shape)
@@ -101,8 +103,12 @@ class Slots:
         ]
 
     def view(self, key: str) -> torch.Tensor:
-        offset, shape = self.layout[key]
-        return self.buffer[offset : offset + math.prod(shape)].view(shape)
+        """The entry ``key`` of the buffer, live (the same view until the buffer grows)."""
+        view = self._views.get(key)
+        if view is None:
+            offset, shape = self.layout[key]
+            view = self._views[key] = self.buffer[offset : offset + math.prod(shape)].view(shape)
+        return view
 
 
 class Group:
