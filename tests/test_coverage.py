@@ -438,6 +438,63 @@ def test_two_forwards_in_one_backward_are_reported_at_the_optimizer_step(compile
         optimizer.step()
 
 
+class TiedAcrossBreak(nn.Module):
+    """An embedding and a head that share one weight, on both sides of a graph break."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(eager_only(torch.tanh(self.mid(self.emb(ids)))))
+
+
+def test_a_parameter_in_two_graphs_of_one_forward_is_not_two_forwards():
+    """One forward reaches the tied weight through both graphs, which the per-graph check reports
+    as such; it is not "two forwards" (it was, on the plain path). A second forward still is."""
+    model = TiedAcrossBreak()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.5), compiler="aot_eager", strict=False)
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ids = torch.randint(0, 11, (3, 5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            optimizer.zero_grad()
+            compiled(ids).logsumexp(-1).sum().backward()
+            optimizer.step()
+    said = [str(w.message) for w in caught if issubclass(w.category, fxgrad.CoverageWarning)]
+    assert any("also used by another graph of the same forward" in message for message in said)
+    assert not any("two forwards" in message for message in said)
+    optimizer.zero_grad()
+    (compiled(ids).sum() + compiled(ids).sum()).backward()
+    with pytest.warns(fxgrad.CoverageWarning, match="took the outputs of two forwards of TiedAcrossBreak"):
+        optimizer.step()
+
+
+class Outer(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.a, self.inner, self.c = nn.Linear(8, 16), inner, nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.c(self.inner(torch.tanh(self.a(x))))
+
+
+def test_a_compiled_module_inside_a_model_compiled_with_another_backend_is_reported():
+    """torch.compile of the outer model traces the inner compiled module into its own graph with
+    its own backend: the inner backend's policy never runs, and the warning gives that cause."""
+    inner = models.MLP()
+    model = Outer(torch.compile(inner, backend=fxgrad.backend(fxgrad.clip_by_norm(0.5), compiler="aot_eager")))
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    compiled(torch.randn(4, 8)).sum().backward()
+    said = "(?s)no graph of MLP reached the backend.*traced it into the graph of an outer model"
+    with pytest.warns(fxgrad.CoverageWarning, match=said):
+        optimizer.step()
+
+
 def test_hugging_face_training_steps_raise_no_coverage_warning(compile_with):
     model, args, kwargs = models.build("gpt2")
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")

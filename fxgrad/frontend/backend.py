@@ -322,7 +322,7 @@ class Backend:
             writes = self._writes
             self._policy_runs.backward_started(probe, writes.holds_last_backward(probe), writes.written(probe))
         elif unwatched:
-            self._writes.reaches(probe, self.registry.model_name(graph))
+            self._writes.reaches(probe, self.registry.model_name(graph), graph)
 
     def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         """``torch.compile(model, backend=self, **compile_kwargs)``, checked at each forward.

@@ -288,7 +288,11 @@ class CoverageCheck:
                 ", as Dynamo does once a frame was recompiled torch._dynamo.config.recompile_limit times "
                 "(e.g. once per new input shape; mark the dimension dynamic or raise the limit)"
             )
-        why = f"{what}, so torch.compile ran it eagerly{cause}"
+        why = (
+            f"{what}: torch.compile ran it eagerly{cause}, or traced it into the graph of an outer model "
+            "compiled with another backend, which compiles it with that backend (compile the outer model "
+            "with this one)"
+        )
         self.report(
             f"fxgrad: {why}, and the policy {self.transform!r} does nothing.{rnn}{hint}",
             fatal=any(route.leaf.reach == "group" for route in self.transform.routes(layers)),

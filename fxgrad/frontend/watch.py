@@ -122,7 +122,8 @@ class GradWrites:
     def __init__(self, summed: Callable[[nn.Parameter, str | None], None] = lambda param, message: None) -> None:
         self.summed = summed
         self._versions: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> int | None
-        self._reached: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> (pass id, message)
+        # nn.Parameter -> (pass id, message, ids of the graphs whose calls reached it in that pass)
+        self._reached: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def watch(self, param: nn.Parameter) -> None:
         """Follow the backward writes of ``param.grad`` from now on (again: a no-op)."""
@@ -130,20 +131,24 @@ class GradWrites:
             self._versions[param] = None
             hook_weakly(param, self._written)
 
-    def reaches(self, param: nn.Parameter, model: str) -> None:
-        """The running backward pass reached a call of ``model``'s compiled forward holding ``param``."""
+    def reaches(self, param: nn.Parameter, model: str, graph: object = None) -> None:
+        """The running backward pass reached a call of ``model``'s compiled forward holding ``param``
+        (``graph``: the compiled graph of that call, when the call is one graph's). Two graphs of
+        one forward can both hold a parameter (tied weights across a graph break): a call of each
+        is one forward, which the per-graph coverage check reports; a second call of one graph,
+        or of the whole forward, is a second forward."""
         self.watch(param)
         current = _compat.backward_pass_id()
-        last, _ = self._reached.get(param, (None, None))
-        if last == current:
+        last, message, graphs = self._reached.get(param, (None, None, ()))
+        if last != current:
+            message, graphs = (ACCUMULATING if self.holds_last_backward(param) else None), ()
+        elif graph is None or id(graph) in graphs:
             message = TWO_FORWARDS.format(model=model)
-        else:
-            message = ACCUMULATING if self.holds_last_backward(param) else None
-        self._reached[param] = current, message
+        self._reached[param] = current, message, (*graphs, id(graph))
 
     def _written(self, param: nn.Parameter) -> None:
         self._versions[param] = _compat.tensor_version(param.grad)
-        current, message = self._reached.pop(param, (None, None))
+        current, message, _ = self._reached.pop(param, (None, None, ()))
         self.summed(param, message if current == _compat.backward_pass_id() else None)
 
     def written(self, param: nn.Parameter) -> bool:
