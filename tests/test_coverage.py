@@ -77,6 +77,37 @@ def test_non_strict_warns_and_clips_each_graph(compile_with):
     assert_grads_close(model, expected)
 
 
+class FrozenAfterBreak(nn.Module):
+    """Every trainable layer before a graph break, a frozen head after it (as in a LoRA model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4).requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(eager_only(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def test_global_clip_across_a_break_to_a_frozen_layer_is_exact(compile_with):
+    """The second graph's backward holds no gradient of a parameter, so the first graph's global
+    norm is the model's: no coverage error (there was one), and the clip equals the eager one."""
+    torch.manual_seed(0)
+    model = FrozenAfterBreak()
+    expected = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        models.loss_of(compile_with(backend, model)(x)).backward()
+    assert len(backend.graphs) == 2
+    said = [str(w.message) for w in caught if issubclass(w.category, fxgrad.CoverageWarning)]
+    assert not any("would see only part" in message for message in said), said
+    models.loss_of(expected(x)).backward()
+    untouched = grads_of(expected)
+    torch.nn.utils.clip_grad_norm_(expected.parameters(), 1e-3)
+    assert_grads_close(model, expected, untouched=untouched)
+
+
 def test_per_layer_clip_is_exact_across_graph_breaks(compile_with):
     torch.manual_seed(0)
     model = BrokenMLP()

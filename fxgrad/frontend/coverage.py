@@ -91,6 +91,8 @@ def find_gaps(
             if layer.name in shared_layers
         ]
         route, reach = repr(want.leaf), want.leaf.reach
+        if reach == "group" and not have.layers and all(layer.name in elsewhere for layer, _ in missing):
+            continue  # applied to none of this graph's layers (frozen ones): the graphs holding the rest check theirs
         if reach == "group" and (missing or split or shared):
             gaps.append(Gap(route, "would see only part of its layers", _unique(missing + split + shared), True))
             continue
