@@ -488,6 +488,23 @@ def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer | None = 
     return any(state["stage"] is not OptState.READY for state in chosen)
 
 
+def stepping_grad_scaler() -> Any:
+    """The enabled ``GradScaler`` whose ``step()`` is calling ``optimizer.step()`` now, or ``None``.
+
+    Read from the call stack (``scaler.step(optimizer)`` leaves no other trace on a non-fused
+    optimizer once it has unscaled the gradients): for a check run once per optimizer."""
+    from torch.amp.grad_scaler import GradScaler
+
+    codes = {GradScaler.step.__code__, GradScaler._maybe_opt_step.__code__}
+    frame = sys._getframe(1)
+    while frame is not None:
+        scaler = frame.f_locals.get("self") if frame.f_code in codes else None
+        if isinstance(scaler, GradScaler) and scaler.is_enabled():
+            return scaler
+        frame = frame.f_back
+    return None
+
+
 def module_path(name: str) -> str:
     """A ``named_modules()`` name without the ``_orig_mod`` step of each submodule wrapped by
     ``torch.compile`` (``layers.0._orig_mod.attn`` -> ``layers.0.attn``, as in the eager model)."""

@@ -68,6 +68,13 @@ SCOPE_CHANGED = (
     "torch.compiler.reset() once it is initialized, or pass scope='step' to fxgrad.backend()"
 )
 
+SCALED_IN_GRAPH = (
+    "fxgrad: a GradScaler steps this {optimizer}, and the backend was built without scaler=: in graph scope "
+    "the backward graph ran the policy {transform!r} on the gradients the scaler had scaled, so its norms "
+    "were the loss scale times too large. Build the backend with fxgrad.backend(..., scaler=scaler), which "
+    "reads the scale on the device, or use scope='step', which runs after scaler.unscale_()."
+)
+
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
 SCOPES = ("auto", "graph", "step")
 
@@ -584,6 +591,11 @@ class Backend:
             )
         if optimizer not in self._first_step_seen:  # checks of the optimizer and the policy, once
             self._first_step_seen.add(optimizer)
+            if self.scaler is None and self.current_scope() == "graph" and optimizer not in self._told_scaled:
+                if _compat.stepping_grad_scaler() is not None:
+                    self._told_scaled.add(optimizer)
+                    message = SCALED_IN_GRAPH.format(optimizer=type(optimizer).__name__, transform=self.transform)
+                    warn(message, CoverageWarning)
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
                 warn(why, CoverageWarning)
