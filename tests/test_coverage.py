@@ -141,9 +141,9 @@ def test_unused_parameter_blocks_global_clip_until_frozen(compile_with):
     model.forward = lambda x: model.fc3(torch.relu(model.fc2(torch.relu(model.fc1(x)))))
     with pytest.raises(fxgrad.CoverageError, match="unused"):
         run(compile_with, model, fxgrad.clip_by_global_norm(1.0))
-    model.unused.requires_grad_(False)
+    model.unused.requires_grad_(False)  # the fix the error names: then nothing to say
     _compat.reset_dynamo()
-    with pytest.warns(fxgrad.CoverageWarning, match="frozen"):
+    with coverage_silent():
         run(compile_with, model, fxgrad.clip_by_global_norm(1.0))
 
 

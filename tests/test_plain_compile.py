@@ -258,14 +258,16 @@ class Adapted(nn.Module):
         return self.base(x) + self.up(self.down(x))
 
 
-def test_a_frozen_base_with_trainable_adapters_is_clipped_and_the_frozen_layer_named():
-    """The graph's first parameter is frozen: the accumulation check watches a trainable one."""
+def test_a_frozen_base_with_trainable_adapters_is_clipped_without_a_warning():
+    """The graph's first parameter is frozen: the accumulation check watches a trainable one. A
+    rule over every layer finds no gradient on the frozen base, as clip_grad_norm_ does: nothing
+    to say (graph scope listed every frozen base layer of a LoRA model)."""
     torch.manual_seed(0)
     model = Adapted()
     expected = copy.deepcopy(model)
     compiled = torch.compile(model, backend=fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager"))
     x = torch.randn(4, 8)
-    with pytest.warns(fxgrad.CoverageWarning, match="1 layer the policy targets is frozen .* no gradient: base$"):
+    with coverage_silent():
         train(model, compiled, steps=2, x=x)
     model.zero_grad()
     compiled(x).sum().backward()
@@ -273,6 +275,22 @@ def test_a_frozen_base_with_trainable_adapters_is_clipped_and_the_frozen_layer_n
     expected(x).sum().backward()
     ref.clip_global(expected, 1e-3)
     assert_grads_close(model, expected)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        fxgrad.by_name({"base": fxgrad.clip_by_norm(1.0)}, default=fxgrad.clip_by_norm(2.0)),
+        fxgrad.rescale(alpha=0.5, multipliers={"base": 3.0}),
+    ],
+    ids=["by_name", "rescale_multiplier"],
+)
+def test_a_frozen_layer_the_policy_names_is_reported(policy):
+    """A key that names a frozen layer does nothing there: that is said."""
+    model = Adapted()
+    compiled = torch.compile(model, backend=fxgrad.backend(policy, compiler="aot_eager"))
+    with pytest.warns(fxgrad.CoverageWarning, match="1 layer the policy names is frozen .* no gradient: base$"):
+        train(model, compiled, steps=1, x=torch.randn(4, 8))
 
 
 @pytest.mark.inductor

@@ -244,14 +244,14 @@ class CoverageCheck:
             if not gap.fatal:
                 self.warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
         self._hooked(graph, plan)
-        targeted = {name for route in self.transform.routes(frozen) for name in route.names}
-        frozen_targeted = [layer for layer in frozen if layer.name in targeted]
+        named = self.transform.named(frozen)  # not those a rule over every layer reaches (a LoRA base)
+        frozen_targeted = [layer for layer in frozen if layer.name in named]
         if frozen_targeted:
             names = listed([layer.name for layer in frozen_targeted], 20)
             count = (
-                "1 layer the policy targets is frozen (requires_grad=False) and gets"
+                "1 layer the policy names is frozen (requires_grad=False) and gets"
                 if len(frozen_targeted) == 1
-                else f"{len(frozen_targeted)} layers the policy targets are frozen (requires_grad=False) and get"
+                else f"{len(frozen_targeted)} layers the policy names are frozen (requires_grad=False) and get"
             )
             self.warn(f"fxgrad: {count} no gradient: {names}")
 

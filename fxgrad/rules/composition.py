@@ -32,6 +32,9 @@ class Chain(Transform):
     def unmatched(self, layers: Sequence[Layer]) -> list[str]:
         return [why for t in self.transforms for why in t.unmatched(layers)]
 
+    def named(self, layers: Sequence[Layer]) -> set[str]:
+        return set().union(*(t.named(layers) for t in self.transforms))
+
 
 def chain(*transforms: Transform) -> Chain:
     """Apply ``transforms`` one after the other, each to the previous one's output.
