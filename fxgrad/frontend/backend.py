@@ -68,6 +68,13 @@ SCOPE_CHANGED = (
     "torch.compiler.reset() once it is initialized, or pass scope='step' to fxgrad.backend()"
 )
 
+SCALED_FUSED = (
+    "fxgrad: a GradScaler steps this fused {optimizer} on gradients it left scaled (a fused optimizer "
+    "unscales in its own update), and the policy {transform!r} read them as they are: its norms are the "
+    "loss scale times too large. Build the backend with fxgrad.backend(..., scaler=scaler), which reads "
+    "the scale on the device."
+)
+
 SCALED_IN_GRAPH = (
     "fxgrad: a GradScaler steps this {optimizer}, and the backend was built without scaler=: in graph scope "
     "the backward graph ran the policy {transform!r} on the gradients the scaler had scaled, so its norms "
@@ -574,28 +581,16 @@ class Backend:
 
     def _before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Before the step of an optimizer of this backend's models, once the policy ran: warn if
-        the update cancels the policy or steps gradients accumulated over backward passes in graph
-        scope (plain path), keep the weights that update-level factors scale the change of, and
-        give a folded optimizer the factor the policy left."""
+        the update cancels the policy, if the policy read gradients a GradScaler had scaled, or if
+        the update steps gradients accumulated over backward passes in graph scope (plain path);
+        keep the weights that update-level factors scale the change of, and give a folded
+        optimizer the factor the policy left."""
         if self._loaded:
             self._loaded = False
             self._report_unplaced()
-        if self.scaler is None and optimizer not in self._told_scaled and folding.scaled_by_a_scaler(optimizer):
-            self._told_scaled.add(optimizer)
-            warn(
-                f"fxgrad: a GradScaler steps this fused {type(optimizer).__name__} on gradients it left scaled (a "
-                f"fused optimizer unscales in its own update), and the policy {self.transform!r} read them as "
-                "they are: its norms are the loss scale times too large. Build the backend with "
-                "fxgrad.backend(..., scaler=scaler), which reads the scale on the device.",
-                CoverageWarning,
-            )
+        self._check_scaler_given(optimizer, first_step=optimizer not in self._first_step_seen)
         if optimizer not in self._first_step_seen:  # checks of the optimizer and the policy, once
             self._first_step_seen.add(optimizer)
-            if self.scaler is None and self.current_scope() == "graph" and optimizer not in self._told_scaled:
-                if _compat.stepping_grad_scaler() is not None:
-                    self._told_scaled.add(optimizer)
-                    message = SCALED_IN_GRAPH.format(optimizer=type(optimizer).__name__, transform=self.transform)
-                    warn(message, CoverageWarning)
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
                 warn(why, CoverageWarning)
@@ -612,6 +607,23 @@ class Backend:
             self._update_factors.before_step(optimizer)
         if factors is not None:
             self._folds.give_factor(optimizer, factors)
+
+    def _check_scaler_given(self, optimizer: torch.optim.Optimizer, first_step: bool) -> None:
+        """Say once per optimizer that a GradScaler steps it and the policy read the gradients the
+        scaler had scaled, the backend not having been given it: a fused optimizer's, which the
+        scaler leaves scaled (the update unscales), in either scope; in graph scope any
+        optimizer's, which the backward read before ``scaler.step()`` unscaled them (looked for
+        at the first step: the stack walk is not for every step)."""
+        if self.scaler is not None or optimizer in self._told_scaled:
+            return
+        if folding.scaled_by_a_scaler(optimizer):
+            message = SCALED_FUSED
+        elif first_step and self.current_scope() == "graph" and _compat.stepping_grad_scaler() is not None:
+            message = SCALED_IN_GRAPH
+        else:
+            return
+        self._told_scaled.add(optimizer)
+        warn(message.format(optimizer=type(optimizer).__name__, transform=self.transform), CoverageWarning)
 
     def _our_ids(self) -> frozenset[int]:
         """The ids of the parameters of the models this backend covers (the kept walk)."""
