@@ -351,16 +351,21 @@ def cold_compile(model_name: str, policies: list[str], samples: int, *args) -> d
     return out
 
 
-def warm_start(model_name: str, policies: list[str], *args) -> dict:
-    """policy -> its first step in a second fresh process sharing the first's Inductor cache
-    directory (a restart after a preemption), / the same for plain ``torch.compile``; None ->
-    plain ``torch.compile``'s seconds."""
-    seconds = {}
-    for policy in [None, *policies]:
-        with tempfile.TemporaryDirectory() as cache:
+def warm_start(model_name: str, policies: list[str], samples: int, *args) -> dict:
+    """policy -> median over ``samples`` rounds of its first step in a fresh process sharing an
+    earlier process's Inductor cache directory (a restart after a preemption) / plain
+    ``torch.compile``'s in the same round; None -> plain ``torch.compile``'s median seconds."""
+    with contextlib.ExitStack() as stack:
+        caches = {p: stack.enter_context(tempfile.TemporaryDirectory()) for p in [None, *policies]}
+        for policy, cache in caches.items():
             first_step_seconds(model_name, policy, *args, cache=cache)  # fills the cache
-            seconds[policy] = first_step_seconds(model_name, policy, *args, cache=cache)
-    return {p: seconds[p] / seconds[None] for p in policies} | {None: seconds[None]}
+        rounds = [
+            {p: first_step_seconds(model_name, p, *args, cache=cache) for p, cache in caches.items()}
+            for _ in range(samples)
+        ]
+    out = {p: statistics.median(r[p] / r[None] for r in rounds) for p in policies}
+    out[None] = statistics.median(r[None] for r in rounds)
+    return out
 
 
 def run_first_step(model_name: str, policy: str, scale: float, compiler: str, device: str) -> None:
@@ -428,7 +433,7 @@ def main() -> None:
         "--compile-samples",
         type=int,
         default=3,
-        help="fresh processes per cold compile time (interleaved with the baseline's)",
+        help="rounds of fresh processes per cold and warm first step (interleaved with the baseline's)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
@@ -487,12 +492,12 @@ def main() -> None:
         first_args = (scale, options.compiler, options.device, options.dtype)
         cold = cold_compile(model_name, timed, options.compile_samples, *first_args)
         if options.compile_times:
-            warm = warm_start(model_name, timed, *first_args)
+            warm = warm_start(model_name, timed, options.compile_samples, *first_args)
             for policy in timed:
                 print(
-                    f"{model_name} {policy}: cold first step / plain torch.compile's {cold[policy]:.2f} "
-                    f"(plain {cold[None]:.1f} s, median of {options.compile_samples}); warm (a second process, "
-                    f"same Inductor cache) {warm[policy]:.2f} (plain {warm[None]:.1f} s, one sample)",
+                    f"{model_name} {policy}: first step / plain torch.compile's, median of "
+                    f"{options.compile_samples}: cold {cold[policy]:.2f} (plain {cold[None]:.1f} s); warm, a later "
+                    f"process on the same Inductor cache, {warm[policy]:.2f} (plain {warm[None]:.1f} s)",
                     flush=True,
                 )
             continue
