@@ -207,6 +207,8 @@ class StepPrograms:
                 for node, result in zip(nodes, new[layer]):
                     if result is not node:
                         gm.graph.call_function(torch.ops.aten.copy_.default, (node, result))
+        # Before Inductor too: its FX graph cache key reads the code of the last recompile
+        # (GraphModule.__reduce__ copies its state before generating the code again).
         gm.recompile()
         if self.compiler == "inductor":
             return _compat.inductor_compile_program(gm)
