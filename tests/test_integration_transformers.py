@@ -84,6 +84,12 @@ def test_conflicting_arguments_raise(tmp_path):
         prepare(_gpt2(), policy, zero, compiler="aot_eager")
     with pytest.raises(TypeError, match="policy must be an fxgrad transform"):
         prepare(_gpt2(), "clip_by_global_norm")
+    refused = [(_gpt2(), "bogus", {}), ("not a model", "aot_eager", {}), (_gpt2(), "aot_eager", {"fsdp": True})]
+    for model, compiler, settings in refused:  # a refused call leaves args as they were
+        untouched = _args(tmp_path, **settings)
+        with pytest.raises((TypeError, ValueError)):
+            prepare(model, policy, untouched, compiler=compiler)
+        assert (untouched.max_grad_norm, untouched.remove_unused_columns) == (1.0, True)
     # without args, the callback checks the Trainer's when the Trainer is built
     model, callback = prepare(_gpt2(), policy, compiler="aot_eager")
     args = _args(tmp_path, remove_unused_columns=False)  # max_grad_norm keeps its default, 1.0

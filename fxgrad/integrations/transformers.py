@@ -215,14 +215,21 @@ def prepare(
             raise TypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
         if scope == "auto" and (args.gradient_accumulation_steps > 1 or args.fp16 or args.gradient_checkpointing):
             scope = "step"
+    backend = Backend(policy, skip=skip, compiler=compiler, strict=strict, scope=scope)
+    callback = FxgradTrainerCallback(backend, stats=stats, prefix=prefix)
+    compiled = backend.compile(model, **compile_kwargs)
+    if args is not None:  # the arguments are checked: now set args, unless a setting conflicts
+        before = {"max_grad_norm": args.max_grad_norm, "remove_unused_columns": args.remove_unused_columns}
         if args.max_grad_norm == _default(args, "max_grad_norm"):
             args.max_grad_norm = 0.0
         args.remove_unused_columns = False
-    backend = Backend(policy, skip=skip, compiler=compiler, strict=strict, scope=scope)
-    callback = FxgradTrainerCallback(backend, stats=stats, prefix=prefix)
-    if args is not None:
-        callback.check(args)
-    return backend.compile(model, **compile_kwargs), callback
+        try:
+            callback.check(args)
+        except ValueError:
+            for name, value in before.items():  # a refused call leaves args as they were
+                setattr(args, name, value)
+            raise
+    return compiled, callback
 
 
 STATE_FILE = "fxgrad_state.pt"
