@@ -453,6 +453,17 @@ def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_
         other.fold(optimizer)
 
 
+def test_a_fold_that_falls_back_leaves_the_optimizer_to_another_backend():
+    optimizer = torch.optim.AdamW(mlp().parameters(), fused=True)
+    per_layer = fxgrad.backend(fxgrad.clip_by_norm(0.05), compiler="aot_eager", scope="step")
+    with pytest.warns(RuntimeWarning, match=r"fold\(AdamW\)"):
+        per_layer.fold(optimizer)
+    assert per_layer.folded_into() == []
+    folded = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")
+    folded.fold(optimizer)
+    assert folded.folded_into() == [optimizer]
+
+
 def test_explain_says_the_gradients_are_folded():
     model = mlp()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")

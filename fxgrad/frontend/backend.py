@@ -542,13 +542,13 @@ class Backend:
             >>> backend.fold(torch.optim.AdamW(model.parameters(), fused=True))
         """
         folding.check(optimizer)
-        folding.claim(optimizer, self)
         scope = self.current_scope()
         compiled = any(graph.params for graph in self.registry.graphs)
         why = folding.fallback(optimizer, self.transform, scope, compiled)
-        if why is not None:
+        if why is not None:  # this backend keeps its scaling pass, and leaves the optimizer to others
             warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning)
             return
+        folding.claim(optimizer, self)
         self._folds.add(optimizer)
         if scope == "step":
             self._step.arm()
