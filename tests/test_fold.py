@@ -449,8 +449,12 @@ def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_
     torch.testing.assert_close(temperature, expected_temperature, rtol=1e-6, atol=0)
 
     other = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
-    with pytest.raises(ValueError, match=r"\boptimizer\b: this AdamW is folded into another fxgrad backend"):
-        other.fold(optimizer)
+    if fused:
+        with pytest.raises(ValueError, match=r"\boptimizer\b: this AdamW is folded into another fxgrad backend"):
+            other.fold(optimizer)
+    else:  # which the unfused group makes the other backend keep its scaling pass: no conflict
+        with pytest.warns(RuntimeWarning, match=r"fold\(AdamW\)"):
+            other.fold(optimizer)
 
 
 def test_a_fold_that_falls_back_leaves_the_optimizer_to_another_backend():
