@@ -199,7 +199,7 @@ VIEWS = frozenset(
 def shape_arguments(func: Any, args: tuple) -> tuple:
     """``args`` with what does not affect the result's metadata left out: for
     ``constant_pad_nd``, only each dimension's total padding (the pieces that
-    ``fxgrad.state.flat`` pads to different offsets share one signature)."""
+    ``fxgrad.runtime.state.flat`` pads to different offsets share one signature)."""
     if func is _aten.constant_pad_nd.default and len(args) >= 2:
         pad = list(args[1])
         return (args[0], tuple(pad[i] + pad[i + 1] for i in range(0, len(pad) - 1, 2)), *args[2:])

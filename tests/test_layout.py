@@ -1,6 +1,7 @@
 """The package layout: imports run downward, every rule is published from its registry, links resolve."""
 
 import ast
+import importlib
 import pathlib
 import re
 
@@ -99,4 +100,31 @@ def test_links_between_the_docs_resolve():
                 broken.append(f"{page.relative_to(repo)}: {target} does not exist")
             elif anchor and path.suffix == ".md" and anchor not in anchors.get(path, set()):
                 broken.append(f"{page.relative_to(repo)}: {target}#{anchor} names no heading")
+    assert not broken, "\n".join(broken)
+
+
+def _resolves(name: str) -> bool:
+    """Whether the dotted ``fxgrad....`` name is a module or an attribute reached from one."""
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[split:]:
+                found = getattr(found, part)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_names_in_docstrings_and_docs_resolve():
+    """Every ``fxgrad.x.y`` a docstring or page names between backticks exists: modules move
+    (fxgrad.step became fxgrad.frontend.step_scope)."""
+    repo = ROOT.parent
+    files = [*ROOT.rglob("*.py"), *(repo / "docs").glob("*.md"), repo / "README.md"]
+    named = {(f, m) for f in files for m in re.findall(r"`~?(fxgrad(?:\.\w+)+)", f.read_text())}
+    broken = sorted(f"{f.relative_to(repo)}: {name}" for f, name in named if not _resolves(name))
     assert not broken, "\n".join(broken)

@@ -492,7 +492,7 @@ class Backend:
         Optional when a ``torch.optim`` optimizer steps the model: ``optimizer.step()``
         runs it if it has not run on these gradients.
         ``model`` defaults to every model this backend compiled or stepped
-        before. No host sync; see :mod:`fxgrad.step`.
+        before. No host sync; see :mod:`fxgrad.frontend.step_scope`.
         """
         if self.current_scope() != "step":
             raise RuntimeError(

@@ -1,7 +1,7 @@
 """The named backend: ``torch.compile(model, backend="fxgrad", options={...})``.
 
 pyproject.toml registers :func:`fxgrad_backend` in the ``torch_dynamo_backends``
-entry-point group. The policy comes from ``options`` (see :mod:`fxgrad.config`)
+entry-point group. The policy comes from ``options`` (see :mod:`fxgrad.frontend.config`)
 over the JSON file named by the ``FXGRAD_CONFIG`` environment variable, if set
 (e.g. for Hugging Face's ``torch_compile_backend="fxgrad"``, which passes no
 options); options without a policy and no such file are refused::

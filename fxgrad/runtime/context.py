@@ -248,7 +248,7 @@ class RouteContext:
         return ((high - low) > 1e-6 * torch.maximum(high.abs(), low.abs())).to(torch.float64)
 
     def after_policy(self, callback: Callable[[list], None]) -> None:
-        """Call ``callback(stats)`` with the L2 :class:`~fxgrad.norms.NormStats` of this
+        """Call ``callback(stats)`` with the L2 :class:`~fxgrad.runtime.norm_math.NormStats` of this
         route's layers once the whole policy has run (for "after" telemetry)."""
         names = [layer.name for layer in self.layers]
         self._executor.at_end(lambda: callback(self._executor.norms_now(names, (2.0,))))

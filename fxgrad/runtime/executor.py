@@ -4,7 +4,7 @@
 under a recorder, so each op lands in the backward graph; step scope calls it
 on the real ``.grad`` tensors.
 
-Consecutive :class:`~fxgrad.base.ScaleLeaf` routes form a *run*: the
+Consecutive :class:`~fxgrad.core.rule.ScaleLeaf` routes form a *run*: the
 gradients are read once for their norms, each route computes its factors
 from the (already scaled) norms, and every gradient is multiplied once by the
 product of its factors. So ``chain(rescale(), clip_by_norm(1.0),
