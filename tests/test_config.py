@@ -187,6 +187,20 @@ def test_a_config_that_is_no_path_is_refused_before_it_is_opened():
         backend_for("clip", nn.Linear(2, 2))
 
 
+def test_backend_for_checks_what_it_is_asked_for(monkeypatch):
+    """Options no backend could be built from are no "not compiled yet" (None)."""
+    monkeypatch.delenv("FXGRAD_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="no_such_rule"):
+        backend_for({"transform": {"no_such_rule": {}}})
+    with pytest.raises(ValueError, match="transfrom"):
+        backend_for({"transfrom": {}, "transform": {"clip_by_norm": {"max_norm": 1.0}}})
+    with pytest.raises(ValueError, match="needs a policy"):
+        backend_for({"transfrom": {"clip_by_norm": {"max_norm": 1.0}}})
+    with pytest.raises(TypeError, match=r"model must be an nn.Module"):
+        backend_for({}, model="m")
+    assert backend_for({"transform": {"clip_by_norm": {"max_norm": 1.0}}}) is None  # valid, not compiled yet
+
+
 def test_named_backend_reports_routing_keys_that_reach_no_layer():
     options = {
         "transform": {"by_name": {"mapping": {"*nothing*": {"clip_by_norm": {"max_norm": 1.0}}}}},

@@ -72,7 +72,9 @@ def step(name: str, value: Any) -> int:
 
 def choice(name: str, value: Any, options: tuple[str, ...]) -> str:
     """One of ``options`` (strings)."""
-    if not isinstance(value, str) or value not in options:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, one of {', '.join(map(repr, options))}, got {value!r}")
+    if value not in options:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
     return value
 

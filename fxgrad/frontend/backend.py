@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat, passes
+from fxgrad.core import validate
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry, validate_skip
 from fxgrad.core.rule import Transform, listed
 from fxgrad.core.warn import warn
@@ -108,10 +109,8 @@ class Backend:
             raise TypeError(
                 f"transform must be an fxgrad transform or None, got {transform!r} ({type(transform).__name__})"
             )
-        if scope not in SCOPES:
-            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-        if not isinstance(compiler, str) or compiler not in COMPILERS:
-            raise ValueError(f"compiler must be one of {sorted(COMPILERS)}, got {compiler!r}")
+        validate.choice("scope", scope, SCOPES)
+        validate.choice("compiler", compiler, tuple(COMPILERS))
         for name, flag in (("strict", strict), ("keep_code", keep_code)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -498,6 +497,8 @@ class Backend:
             raise RuntimeError(
                 "step() needs fxgrad.backend(..., scope='step'); this backend rewrites the backward graphs instead"
             )
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if self._step is None:
             return
         model = _unwrapped(model) if model is not None else None

@@ -38,10 +38,7 @@ def fxgrad_backend(
     the policy; ``mode`` is ``torch.compile``'s, for Inductor."""
     spec = _spec(options)
     if spec is None:
-        raise ValueError(
-            'backend="fxgrad" needs a policy: pass options={"transform": ...} (or {"config": <policy.json>}) '
-            f"to torch.compile, or set {CONFIG_ENV}=<policy.json>"
-        )
+        raise ValueError(NEEDS_POLICY)
     key = _key(spec)
     if not any(isinstance(value, nn.Parameter) for value in example_inputs):
         # A graph without parameters (the code after a graph break, say) has nothing to
@@ -60,16 +57,29 @@ def fxgrad_backend(
 def backend_for(options: dict | None = None, model: nn.Module | None = None) -> Backend | None:
     """The Backend built for these options (none: the ``FXGRAD_CONFIG`` file's policy) and
     ``model`` (default: the one that compiled a graph last), once a graph has been
-    compiled with them."""
+    compiled with them. Options no backend could be built from raise as ``torch.compile``
+    would (``ValueError``/``TypeError``), rather than read as "not compiled yet"."""
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     spec = _spec(options)
     if spec is None:
+        if options:  # options the named backend refuses
+            raise ValueError(NEEDS_POLICY)
         return None
     if model is None:
-        return _latest.get(_key(spec))
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    model = getattr(model, "_orig_mod", model)  # the module torch.compile returned: the model inside
-    return _backends.get(model, {}).get(_key(spec))
+        found = _latest.get(_key(spec))
+    else:
+        model = getattr(model, "_orig_mod", model)  # the module torch.compile returned: the model inside
+        found = _backends.get(model, {}).get(_key(spec))
+    if found is None:
+        from_config(spec)  # checks the options
+    return found
+
+
+NEEDS_POLICY = (
+    'backend="fxgrad" needs a policy: pass options={"transform": ...} (or {"config": <policy.json>}) '
+    f"to torch.compile, or set {CONFIG_ENV}=<policy.json>"
+)
 
 
 def _spec(options: dict | None) -> dict | None:
