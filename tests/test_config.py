@@ -164,6 +164,7 @@ def test_routers_and_skip_in_config():
         ({"transform": {"multi_normalize": {"schedule": {"0": ["l2"], "²": ["l2"]}}}}, ValueError, "schedule"),
         ({"transform": {"clip_by_norm": {"max_nrom": 1.0}}}, TypeError, "clip_by_norm takes no argument 'max_nrom'"),
         ({"transform": {"by_type": {"mapping": {nn.LSTM: {"monitor": {}}}}}}, TypeError, "dotted path as a string"),
+        ({"transform": {"by_name": {"mapping": {1: {"monitor": {}}}}}}, TypeError, "by_name keys must be"),
     ],
 )
 def test_bad_config_is_rejected(spec, error, match):

@@ -139,8 +139,8 @@ def _router(name: str, arguments: Mapping[str, Any]) -> Transform:
     mapping = arguments.get("mapping", {})
     if not isinstance(mapping, Mapping):
         raise TypeError(f"{name} mapping must be a dict, got {mapping!r}")
-    key = import_class if name == "by_type" else str
-    routes = {key(k): parse_transform(v) for k, v in mapping.items()}
+    # by_name checks its keys itself: a config spells them as it would
+    routes = {(import_class(k) if name == "by_type" else k): parse_transform(v) for k, v in mapping.items()}
     default = arguments.get("default")
     return ROUTERS[name](routes, default=None if default is None else parse_transform(default))
 
