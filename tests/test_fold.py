@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn as nn
 from parity import no_host_sync
 
 import fxgrad
+from fxgrad.core.rule import Leaf
 
 STEPS = 20
 
@@ -516,3 +518,21 @@ def test_positive_factors_under_a_sign_only_update_are_reported(scope):
         train(model, torch.optim.Rprop(model.parameters(), lr=1e-2), 5, backend=backend)
     train(plain, torch.optim.Rprop(plain.parameters(), lr=1e-2), 5)
     assert_same_weights(model, plain, rtol=1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Centred(Leaf):
+    """A rule written outside fxgrad that says nothing of signs (and changes them)."""
+
+    name = "centred"
+
+    def apply(self, grads, layers, ctx):
+        return [[g - g.mean() for g in layer] for layer in grads]
+
+
+def test_a_rule_that_does_not_say_it_keeps_signs_is_not_reported_under_a_sign_only_update():
+    model = mlp()
+    backend = fxgrad.backend(_Centred(), compiler="aot_eager", scope="step")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        train(model, torch.optim.Rprop(model.parameters(), lr=1e-2), 2, backend=backend)

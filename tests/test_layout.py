@@ -5,6 +5,8 @@ import importlib
 import pathlib
 import re
 
+import pytest
+
 import fxgrad
 from fxgrad.core.rule import RULES
 
@@ -128,3 +130,25 @@ def test_names_in_docstrings_and_docs_resolve():
     named = {(f, m) for f in files for m in re.findall(r"`~?(fxgrad(?:\.\w+)+)", f.read_text())}
     broken = sorted(f"{f.relative_to(repo)}: {name}" for f, name in named if not _resolves(name))
     assert not broken, "\n".join(broken)
+
+
+def test_a_rule_name_is_taken_once_and_a_redefinition_replaces_itself():
+    """Outside the package too (a notebook cell run twice redefines the same class)."""
+    from fxgrad.core.rule import ScaleLeaf, rule
+
+    def define(name: str = "doubled", qualname: str = "Doubled"):
+        cls = type(
+            qualname, (ScaleLeaf,), {"name": name, "factors": lambda self, stats, layers, ctx: [2.0] * len(stats)}
+        )
+        return rule(cls)
+
+    try:
+        first = define()
+        second = define()
+        assert RULES["doubled"] is second is not first
+        with pytest.raises(TypeError, match=r"rule name 'doubled' is taken by .*Doubled"):
+            define(qualname="Other")
+        with pytest.raises(TypeError, match=r"rule name 'clip_by_norm' is taken"):
+            define(name="clip_by_norm")
+    finally:
+        RULES.pop("doubled", None)

@@ -18,8 +18,9 @@ layer norms (:class:`ScaleLeaf`); the others transform gradients directly
 
 A leaf is defined once, in its family's module under ``fxgrad/rules/``, and
 registered there with :func:`rule`: that makes it a frozen dataclass, gives it
-a ``repr`` that reads like its construction, and publishes it as
-``fxgrad.<name>`` and under ``<name>`` in config files. Validation runs in
+a ``repr`` that reads like its construction, and registers it under ``<name>`` for
+config files (``fxgrad.<name>`` too, for the rules fxgrad ships; a rule in a user's
+own module is its class, see docs/adding-a-rule.md). Validation runs in
 ``__post_init__``, so every construction validates::
 
     @rule
@@ -122,7 +123,8 @@ class Leaf(Transform):
       :mod:`fxgrad.frontend.update_factors`). Scale rules that offer both declare it
       as a field with :func:`apply_to_field`.
     * ``keeps_signs``: it only multiplies gradient elements by factors ``> 0`` (clamps
-      included), so an update that reads the signs alone (``Rprop``) never sees it.
+      included), so an update that reads the signs alone (``Rprop``) never sees it, and
+      fxgrad warns. ``False`` unless the rule says so (a :class:`ScaleLeaf` does).
     """
 
     reach: ClassVar[Reach] = "layer"
@@ -132,7 +134,7 @@ class Leaf(Transform):
     folds: ClassVar[Literal["global", "identity"] | None] = None
     local_shards: ClassVar[bool] = False
     apply_to: ClassVar[Literal["grad", "update"]] = "grad"
-    keeps_signs: ClassVar[bool] = True
+    keeps_signs: ClassVar[bool] = False
     name: ClassVar[str] = "leaf"
 
     def fixed_factors(self) -> bool:
@@ -190,6 +192,7 @@ class ScaleLeaf(Leaf):
 
     norm_orders: tuple[float, ...] = (2.0,)
     local_shards = True  # its factors see whole-layer norms only
+    keeps_signs = True
 
     def factors(self, stats: Sequence[NormStats], layers: Sequence[Layer], ctx: RouteContext) -> list[Factor]:
         """One factor per layer, from ``stats[i]``, the (unscaled) norms of ``layers[i]``.
@@ -258,11 +261,14 @@ L = TypeVar("L", bound=type)
 
 
 def rule(cls: L) -> L:
-    """Make ``cls`` a frozen dataclass and register it as ``fxgrad.<cls.name>``."""
+    """Make ``cls`` a frozen dataclass and register it under ``cls.name`` (config files and the
+    named backend find it there; ``fxgrad.<name>`` for the rules fxgrad ships). The same class
+    defined again (its module reloaded, a notebook cell run twice) replaces itself."""
     if cls.__dict__.get("name") in (None, Leaf.name):
         raise TypeError(f"rule {cls.__name__} must set its public name: name = '...'")
-    if cls.name in RULES:
-        raise TypeError(f"rule name {cls.name!r} is taken by {RULES[cls.name].__qualname__}")
+    taken = RULES.get(cls.name)
+    if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise TypeError(f"rule name {cls.name!r} is taken by {taken.__module__}.{taken.__qualname__}")
     cls = dataclasses.dataclass(frozen=True, repr=False)(cls)
     RULES[cls.name] = cls
     return cls

@@ -252,6 +252,7 @@ class AdaGC(Leaf):
     """
 
     name = "adagc"
+    keeps_signs = True  # positive factors
     reach = "group"  # the warm-up clips the global norm
     local_shards = True
     per_layer = False

@@ -104,6 +104,7 @@ class ClipByValue(Leaf):
     """
 
     name = "clip_by_value"
+    keeps_signs = True  # clamps each element
     reach = "element"
     local_shards = True
     backs_off = True
@@ -146,6 +147,7 @@ class AdaptiveGradClip(Leaf):
     """
 
     name = "adaptive_grad_clip"
+    keeps_signs = True  # positive factors
     reach = "element"  # unit-wise: each output row on its own
     backs_off = True
 

@@ -37,7 +37,6 @@ class ZeroNonfinite(Leaf):
     """
 
     name = "zero_nonfinite"
-    keeps_signs = False  # zeroes elements
     reach = "element"
     local_shards = True
     per_layer = False
@@ -90,7 +89,6 @@ class SkipNonfinite(Leaf):
     """
 
     name = "skip_nonfinite"
-    keeps_signs = False  # zeroes elements
     reach = "group"
     per_layer = False
     hides_nonfinite = True

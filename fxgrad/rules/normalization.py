@@ -283,6 +283,7 @@ class Sinkhorn(Leaf):
     """
 
     name = "sinkhorn"
+    keeps_signs = True  # positive factors
     reach = "element"  # each parameter on its own
     EPS: ClassVar[float] = 1e-8
 

@@ -340,7 +340,6 @@ class BalanceNorms(Leaf):
     """
 
     name = "balance_norms"
-    keeps_signs = False  # adds a term
     reach = "group"
 
     k: int = 5
@@ -350,7 +349,7 @@ class BalanceNorms(Leaf):
 
     def __post_init__(self) -> None:
         self.set(
-            k=validate.positive_int("k", self.k),
+            k=validate.positive_int("k", self.k, why="a number of layers"),
             lam=validate.positive("lam", self.lam, allow_inf=False),
             every=validate.positive_int("every", self.every),
             entropy_drop=validate.non_negative("entropy_drop", self.entropy_drop),
