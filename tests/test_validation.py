@@ -150,6 +150,16 @@ def test_transforms_are_immutable_and_readable():
     assert eval(repr(normalizing), vars(fxgrad)) == normalizing
 
 
+def test_a_backend_reads_like_its_call():
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1.0), skip=(nn.LayerNorm, "*ln*"), strict=False, scope="step")
+    text = "fxgrad.backend(clip_by_norm(max_norm=1.0), skip=(torch.nn.LayerNorm, '*ln*'), compiler='inductor', "
+    assert repr(backend) == text + "strict=False, scope='step')"
+    built = eval(repr(backend), {**vars(fxgrad), "fxgrad": fxgrad, "torch": torch})
+    assert (built.transform, built.skip, built.strict, built.scope) == (backend.transform, backend.skip, False, "step")
+    scaled = fxgrad.backend(fxgrad.clip_by_norm(1.0), skip=(nn.LayerNorm,), scaler=torch.amp.GradScaler("cpu"))
+    assert "skip=(torch.nn.LayerNorm,)" in repr(scaled) and "scaler=<GradScaler>" in repr(scaled)
+
+
 @pytest.mark.parametrize(
     "kwargs,error,argument",
     [

@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat, passes
-from fxgrad.core import validate
+from fxgrad.core import match, validate
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry, validate_skip
 from fxgrad.core.rule import Transform, listed
 from fxgrad.core.warn import warn
@@ -200,10 +200,14 @@ class Backend:
         return self.registry.graphs
 
     def __repr__(self) -> str:
-        skip = "" if self.skip == DEFAULT_SKIP else f", skip={self.skip!r}"
+        """The call that builds it, but for the scaler (shown as ``<GradScaler>``)."""
+        entries = ", ".join(map(match.key_repr, self.skip)) + ("," if len(self.skip) == 1 else "")
+        skip = "" if self.skip == DEFAULT_SKIP else f", skip=({entries})"
         strict = "" if self.strict else ", strict=False"
+        keep_code = ", keep_code=True" if self.keep_code else ""
+        scaler = "" if self.scaler is None else f", scaler=<{type(self.scaler).__name__}>"
         scope = "" if self.scope == "auto" else f", scope={self.scope!r}"
-        return f"fxgrad.backend({self.transform!r}{skip}, compiler={self.compiler!r}{strict}{scope})"
+        return f"fxgrad.backend({self.transform!r}{skip}, compiler={self.compiler!r}{strict}{keep_code}{scaler}{scope})"
 
     # ------------------------------------------------------------ compiling
 
