@@ -112,6 +112,8 @@ CASES = [
     (lambda: fxgrad.backend(skip=(nn.LayerNorm, 3)), TypeError, "skip"),
     (lambda: fxgrad.backend(skip=(int,)), TypeError, "skip"),
     (lambda: fxgrad.backend(skip=("",)), ValueError, "skip"),
+    (lambda: fxgrad.clip_by_norm(), TypeError, "clip_by_norm() missing 1 required positional argument"),
+    (lambda: fxgrad.clip_by_norm(1.0, max_nrom=2.0), TypeError, "clip_by_norm() got an unexpected keyword"),
 ]
 
 

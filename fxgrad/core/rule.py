@@ -270,6 +270,7 @@ def rule(cls: L) -> L:
     if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
         raise TypeError(f"rule name {cls.name!r} is taken by {taken.__module__}.{taken.__qualname__}")
     cls = dataclasses.dataclass(frozen=True, repr=False)(cls)
+    cls.__init__.__qualname__ = cls.name  # "clip_by_norm() missing 1 required positional argument: 'max_norm'"
     RULES[cls.name] = cls
     return cls
 
