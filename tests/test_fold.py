@@ -491,6 +491,11 @@ def test_a_fixed_multiplier_under_adam_is_reported_as_cancelled(scope):
         train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 10, backend=backend)
     train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), 10)
     assert_same_weights(model, plain, rtol=1e-4)  # what the warning says: the policy did (almost) nothing
+    from transformers.optimization import Adafactor  # known by name: fxgrad does not import transformers
+
+    model = mlp()
+    with pytest.warns(fxgrad.CoverageWarning, match=r"Adafactor's update divides the gradient by its running RMS"):
+        train(model, Adafactor(model.parameters(), lr=1e-2, relative_step=False), 2, backend=backend)
 
     for policy, make in (
         (stem, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),  # SGD: the multiplier acts
@@ -513,7 +518,9 @@ def test_positive_factors_under_a_sign_only_update_are_reported(scope):
     policy = fxgrad.chain(fxgrad.zero_nonfinite(), fxgrad.clip_by_global_norm(1e-3))
     backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
     with pytest.warns(
-        fxgrad.CoverageWarning, match=r"^fxgrad: Rprop moves .* by factors > 0: clip_by_global_norm\(max_norm=0.001\)\."
+        fxgrad.CoverageWarning,
+        match=r"^fxgrad: Rprop moves .* by factors > 0: clip_by_global_norm\(max_norm=0.001\)\. The weights move as "
+        r"without them\. Use another optimizer\.$",  # clip_by_global_norm takes no apply_to
     ):
         train(model, torch.optim.Rprop(model.parameters(), lr=1e-2), 5, backend=backend)
     train(plain, torch.optim.Rprop(plain.parameters(), lr=1e-2), 5)

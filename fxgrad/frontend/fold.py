@@ -34,6 +34,7 @@ rule acts").
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Callable
 
@@ -57,11 +58,17 @@ NORMALIZING = (
     torch.optim.RMSprop,
     torch.optim.Adagrad,
     torch.optim.Adafactor,
+    torch.optim.SparseAdam,
 )
+NORMALIZING_ELSEWHERE = {"transformers.optimization.Adafactor"}  # by name: fxgrad does not import them
 SIGN_ONLY = (torch.optim.Rprop,)  # moves each weight by the sign of its gradient
 
 _SET_HERE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # grad_scale set by fxgrad, not a GradScaler
 _FOLDED_BY: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def _qualified(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def check(optimizer: Any) -> None:
@@ -132,12 +139,18 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> 
         ]
         if not moot:
             return None
+        movable = [leaf for leaf in moot if "apply_to" in {f.name for f in dataclasses.fields(leaf)}]
+        fix = "Use another optimizer" + (
+            f", or put the factors of {', '.join(map(repr, movable))} on the update (apply_to='update')"
+            if movable
+            else ""
+        )
         return (
             f"fxgrad: {type(optimizer).__name__} moves each weight by the sign of its gradient alone, and these "
             f"rules only multiply gradient elements by factors > 0: {', '.join(map(repr, moot))}. The weights "
-            "move as without them. Put the factor on the update (apply_to='update'), or use another optimizer."
+            f"move as without them. {fix}."
         )
-    if not isinstance(optimizer, NORMALIZING):
+    if not isinstance(optimizer, NORMALIZING) and _qualified(optimizer) not in NORMALIZING_ELSEWHERE:
         return None
     acting = [leaf for leaf in transform.leaves() if leaf.folds != "identity"]
     if not acting or not all(leaf.fixed_factors() for leaf in acting):
