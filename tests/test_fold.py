@@ -459,6 +459,36 @@ def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_
             other.fold(optimizer)
 
 
+@pytest.mark.parametrize("scope", SCOPES)
+def test_an_optimizer_that_replaces_a_folded_one_is_folded_again(scope):
+    """A resume in the same process: a new fused optimizer takes the folded one's state_dict. In
+    graph scope the backward graphs were compiled folded and keep leaving the factor to the
+    update, so the new optimizer's step refuses until it is folded too; then it folds."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
+    optimizer = OPTIMIZERS["adamw"](model.parameters(), fused=True)
+    backend.fold(optimizer)
+    expected_optimizer = OPTIMIZERS["adamw"](expected.parameters(), fused=True)
+    clip = lambda m: ref.clip_global(m, 0.05)  # noqa: E731
+    train(model, optimizer, 3, backend=backend)
+    train(expected, expected_optimizer, 3, reference=clip)
+    replaced, expected_replaced = (OPTIMIZERS["adamw"](m.parameters(), fused=True) for m in (model, expected))
+    replaced.load_state_dict(optimizer.state_dict())
+    expected_replaced.load_state_dict(expected_optimizer.state_dict())
+    del optimizer
+    if scope == "graph":
+        with pytest.raises(ValueError, match=r"must be folded too: backend.fold\(optimizer\)"):
+            train(model, replaced, 1, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback: the graphs leave the factor already
+        backend.fold(replaced)
+    train(model, replaced, 3, backend=backend)
+    train(expected, expected_replaced, 3, reference=clip)
+    assert_same_weights(model, expected)
+
+
 def test_a_fold_that_falls_back_leaves_the_optimizer_to_another_backend():
     optimizer = torch.optim.AdamW(mlp().parameters(), fused=True)
     per_layer = fxgrad.backend(fxgrad.clip_by_norm(0.05), compiler="aot_eager", scope="step")

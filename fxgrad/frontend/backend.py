@@ -233,7 +233,7 @@ class Backend:
         # not for a graph that computes no gradient (an EMA copy's).
         unwatched = self._step_check is not None and graph.trains and self._step_check.unwatched(graph)
         # A folded graph leaves its factor to the optimizer: one backward per step may, no more (see fold()).
-        folded = bool(self._folds) and self.current_scope() == "graph"
+        folded = self._folds.graphs_leave_factor and self.current_scope() == "graph"
         step_scope = self.current_scope() == "step"
         count_backwards = unwatched or (folded and bool(graph.params))
         # Step scope: backwards are watched until the policy first runs, to see a loop that never runs it.
@@ -539,7 +539,9 @@ class Backend:
         Other combinations keep the scaling pass, after one ``RuntimeWarning`` saying
         why; an optimizer other than those three raises. Several optimizers over one model
         (weights and biases apart, say) must all be folded: the step of one that is not
-        raises ``ValueError``. See :mod:`fxgrad.frontend.fold`.
+        raises ``ValueError``. So must one that replaces a folded optimizer in graph scope
+        (the graphs compiled folded keep leaving the factor to the update). See
+        :mod:`fxgrad.frontend.fold`.
 
             >>> import torch, fxgrad
             >>> model = torch.nn.Linear(4, 4)
@@ -548,7 +550,8 @@ class Backend:
         """
         folding.check(optimizer)
         scope = self.current_scope()
-        compiled = any(graph.params for graph in self.registry.graphs)
+        # graphs compiled before the first fold apply the factor themselves; after it, they leave it
+        compiled = any(graph.params for graph in self.registry.graphs) and not self._folds.graphs_leave_factor
         why = folding.fallback(optimizer, self.transform, scope, compiled)
         if why is not None:  # this backend keeps its scaling pass, and leaves the optimizer to others
             warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning)

@@ -261,9 +261,17 @@ class Folds:
         self._told_scaling: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._told_unreached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._inverses: dict[torch.device, torch.Tensor] = {}  # the factor's inverse, kept per device
+        self._graphs_leave_it = False  # see graphs_leave_factor
 
     def __bool__(self) -> bool:
         return bool(self._counts)
+
+    @property
+    def graphs_leave_factor(self) -> bool:
+        """Graph scope: whether the backward graphs leave the factor to folded updates. It holds
+        from the first fold on, for good: graphs compiled then keep leaving it when the folded
+        optimizer is gone (replaced by a new one, which must be folded again)."""
+        return self._graphs_leave_it
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The folded optimizers (while they live)."""
@@ -272,6 +280,7 @@ class Folds:
     def add(self, optimizer: torch.optim.Optimizer) -> None:
         """Fold into ``optimizer`` from its next step on (again: a no-op)."""
         if optimizer not in self._counts:
+            self._graphs_leave_it = self._graphs_leave_it or self._in_graph()
             self._counts[optimizer] = self._applied[optimizer] = self._left()
             # After the global hooks that give the factor (and after a closure, like them).
             optimizer.register_step_pre_hook(after_closure(self._stepping))
@@ -293,7 +302,7 @@ class Folds:
         (``None``: it is not folded). Raises ``ValueError`` for an update that would apply the
         gradients without the factor, or with one that does not describe them."""
         if optimizer not in self._counts:
-            if self._counts:
+            if self._counts or (self._graphs_leave_it and self._in_graph()):
                 self._check_unfolded(optimizer)
             return None
         count = self._left()
@@ -370,10 +379,19 @@ class Folds:
         updates (two optimizers over one model, one of them folded)."""
         ours = self._ours()
         stepped = [p for group in optimizer.param_groups for p in group["params"] if id(p) in ours]
-        if any(p.grad is not None for p in stepped):
+        if not any(p.grad is not None for p in stepped):
+            return
+        name = type(optimizer).__name__
+        if not self._counts:  # graph scope, the folded optimizer gone
             raise ValueError(
-                f"fold: {type(optimizer).__name__} steps parameters of the models of this backend, and is not "
-                f"folded while {len(self._counts)} other optimizer(s) are: the policy {self.transform!r} left "
-                "its global factor to the folded updates, so this one would apply unscaled gradients. Fold "
-                "every optimizer that steps the model (backend.fold(optimizer) for each), or none."
+                f"fold: {name} steps parameters of the models of this backend and is not folded, and the backward "
+                f"graphs were compiled folded: they leave the global factor of {self.transform!r} to the update, "
+                "so this one would apply unscaled gradients. An optimizer that replaces a folded one (a resume "
+                "with load_state_dict) must be folded too: backend.fold(optimizer)."
             )
+        raise ValueError(
+            f"fold: {name} steps parameters of the models of this backend, and is not folded while "
+            f"{len(self._counts)} other optimizer(s) are: the policy {self.transform!r} left its global factor "
+            "to the folded updates, so this one would apply unscaled gradients. Fold every optimizer that steps "
+            "the model (backend.fold(optimizer) for each), or none."
+        )
