@@ -117,7 +117,10 @@ class StepPrograms:
         def build() -> Callable[..., Any] | None:
             sparse = [o.param for o, g in zip(owners, grads) if g.layout != torch.strided]
             if sparse:
-                self._eager(f"sparse gradients ({', '.join(sparse)}), which Inductor does not compile")
+                self._eager(
+                    f"sparse gradients ({', '.join(sparse)}), which the step program does not take "
+                    "(Inductor compiles strided tensors only)"
+                )
                 return None
             try:
                 return self._build(routes, owners, grads, group, store, scaler, fold)
