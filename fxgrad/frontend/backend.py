@@ -604,6 +604,9 @@ class Backend:
                 warn(why, CoverageWarning)
             if self.current_scope() == "step":  # graph scope: the step check reports them
                 report_outside(optimizer, self.transform, [model for model, _ in self._step_models()])
+            elif self._coverage is not None:
+                stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+                self._coverage.stepped_together(self.registry, stepped, type(optimizer).__name__)
         if self._summed:
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             for probe, message in list(self._summed.items()):

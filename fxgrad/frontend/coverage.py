@@ -207,6 +207,16 @@ HOOKED = (
 )
 
 
+SPLIT_MODELS = (
+    "fxgrad: {optimizer} steps the parameters of {count} models this backend compiled one by one ({models}), "
+    "and in scope='graph' each one's backward applies {t!r} to its own gradients: its cross-layer norms are "
+    "each model's, not those of every parameter the optimizer steps (which clip_grad_norm_ over them would "
+    "take). Use fxgrad.backend(..., scope='step'), which runs the policy once over every gradient; or compile "
+    "one module that holds them all (torchtitan compiles each block alone: see docs/distributed.md); or, if "
+    "each model's own norm is what you mean, give each model a backend of its own"
+)
+
+
 COMPILED_AUTOGRAD = (
     "fxgrad: compiled autograd is on. It retraces AOTAutograd's original backward graphs, so "
     "fxgrad's rewrite of them would not run and the policy {transform!r} would do nothing. Use "
@@ -254,6 +264,28 @@ class CoverageCheck:
                 else f"{len(frozen_targeted)} layers the policy names are frozen (requires_grad=False) and get"
             )
             self.warn(f"fxgrad: {count} no gradient: {names}")
+
+    def stepped_together(self, registry: GraphRegistry, stepped: set[int], optimizer: str) -> None:
+        """At an optimizer's first step: a rule that reduces across layers meets each model's
+        gradients apart when one optimizer (``stepped``: the ids of its parameters) steps the
+        parameters of several models this backend compiled, no graph holding them all (an
+        encoder and a head compiled one by one; torchtitan's blocks)."""
+        if not self.transform.reduces_across_layers():
+            return
+        graphs = [graph for graph in registry.graphs if graph.live() and graph.trains]
+        roots = {
+            slot.root
+            for graph in graphs
+            for slot in graph.params
+            if slot.root is not None and id(slot.tensor()) in stepped
+        }
+        if len(roots) < 2 or any(graph.roots() >= roots for graph in graphs):
+            return
+        models = sorted(type(registry.roots[root].module()).__name__ for root in roots if root in registry.roots)
+        self.report(
+            SPLIT_MODELS.format(optimizer=optimizer, count=len(roots), models=", ".join(models), t=self.transform),
+            fatal=True,
+        )
 
     def _hooked(self, graph: CapturedGraph, plan: GraphPlan) -> None:
         """Gradient hooks on parameters the policy acts on run after it in graph scope."""
