@@ -39,16 +39,16 @@ from fxgrad.frontend.coverage import CoverageCheck
 ACCUMULATING = (
     "fxgrad: a backward started while .grad still held the previous backward's gradient. If you "
     "accumulate gradients over micro-batches, or backward several losses through one forward "
-    "(retain_graph=True), scope='graph' transforms each backward's gradient, not their sum: use "
-    "fxgrad.backend(..., scope='step'), which applies the policy once, at optimizer.step(). "
-    "(zero_grad() before each backward silences this.)"
+    "(retain_graph=True), scope='graph' applies the policy to each backward's gradient (its statistics "
+    "too), not to their sum: use fxgrad.backend(..., scope='step'), which applies the policy once, at "
+    "optimizer.step(). (zero_grad() before each backward silences this.)"
 )
 
 TWO_FORWARDS = (
-    "fxgrad: one backward() took the outputs of two forwards of {model}. scope='graph' "
-    "transforms each forward's gradient on its own, not their sum (two views, a contrastive or a "
-    "GAN discriminator's loss): use fxgrad.backend(..., scope='step'), which applies the policy "
-    "once, at optimizer.step()."
+    "fxgrad: one backward() took the outputs of two forwards of {model}. scope='graph' applies the "
+    "policy to each forward's gradient on its own (its statistics too), not to their sum (two views, a "
+    "contrastive or a GAN discriminator's loss): use fxgrad.backend(..., scope='step'), which applies the "
+    "policy once, at optimizer.step()."
 )
 
 BYPASSED = (
