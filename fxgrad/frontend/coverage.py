@@ -281,7 +281,8 @@ class CoverageCheck:
         }
         if len(roots) < 2 or any(graph.roots() >= roots for graph in graphs):
             return
-        models = sorted(type(registry.roots[root].module()).__name__ for root in roots if root in registry.roots)
+        live = (registry.roots[root].module() for root in roots if root in registry.roots)
+        models = sorted(type(model).__name__ for model in live if model is not None)
         self.report(
             SPLIT_MODELS.format(optimizer=optimizer, count=len(roots), models=", ".join(models), t=self.transform),
             fatal=True,
