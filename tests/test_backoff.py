@@ -15,19 +15,23 @@ NONFINITE = {2, 3, 7}  # steps whose loss is multiplied by inf
 
 
 class Backoff:
-    """The reference: GradScaler's backoff and growth, applied to a threshold factor."""
+    """The reference: GradScaler's backoff and growth, applied to a threshold factor. A step
+    uses the factor as lowered by its own overflow; growth after N finite steps takes
+    effect from the next step, as GradScaler.update() grows the scale the next step uses."""
 
     def __init__(self, backoff, growth_interval):
         self.backoff, self.growth_interval = backoff, growth_interval
         self.scale, self.run = 1.0, 0
 
     def step(self, finite):
+        """The factor this step applies."""
         self.run = self.run + 1 if finite else 0
         if not finite:
             self.scale *= self.backoff
+        used = self.scale
         if self.growth_interval and self.run >= self.growth_interval:
             self.scale, self.run = min(self.scale / self.backoff, 1.0), 0
-        return self.scale
+        return used
 
 
 RULES = [
@@ -91,9 +95,10 @@ def test_backoff_state_round_trips_and_never_grows_past_the_threshold():
     restored.load_state_dict(state)
     model.zero_grad()
     models.loss_of(torch.compile(model, backend=restored)(torch.randn(4, 16))).backward()
+    assert restored.stats()["threshold_scale"].item() == 0.5  # a finite step clips at the lowered threshold
     model.zero_grad()
     models.loss_of(torch.compile(model, backend=restored)(torch.randn(4, 16))).backward()
-    assert restored.stats()["threshold_scale"].item() == 1.0  # 0.5 -> 1.0, and no further
+    assert restored.stats()["threshold_scale"].item() == 1.0  # grown back after it, and no further
 
 
 @pytest.mark.parametrize(

@@ -75,10 +75,11 @@ class SkipNonfinite(Leaf):
     non-finite step multiplies the thresholds of the clipping rules after it in
     the policy (``clip_by_global_norm``, ``clip_by_norm``, ``clip_by_value``,
     ``adaptive_grad_clip``'s ``clipping``) by ``backoff``, on the device. With
-    ``growth_interval=N``, N finite steps in a row divide them by ``backoff``
-    again, up to the thresholds as configured, the way ``GradScaler`` grows its
-    scale back. The factor is the statistic ``threshold_scale`` and is saved in
-    ``state_dict()``. The rollback half is the training loop's: see
+    ``growth_interval=N``, after N finite steps in a row (which clip at the lowered
+    thresholds) they are divided by ``backoff`` again, up to the thresholds as
+    configured, the way ``GradScaler`` grows its scale back. The factor a step
+    applies is the statistic ``threshold_scale``; ``state_dict()`` keeps the next
+    step's. The rollback half is the training loop's: see
     ``examples/rollback.py``.
 
         >>> import fxgrad
@@ -124,11 +125,12 @@ class SkipNonfinite(Leaf):
             steps = state["steps"] + bad.to(torch.float64)
             scale = torch.where(bad, state["threshold_scale"] * self.backoff, state["threshold_scale"])
             run = torch.where(bad, torch.zeros_like(state["finite_run"]), state["finite_run"] + 1)
+            after = scale  # the next step's: grown back after this step, as GradScaler.update() grows
             if self.growth_interval is not None:
                 grow = run >= self.growth_interval
-                scale = torch.where(grow, torch.clamp_max(scale / self.backoff, 1.0), scale)
+                after = torch.where(grow, torch.clamp_max(scale / self.backoff, 1.0), scale)
                 run = torch.where(grow, torch.zeros_like(run), run)
-            ctx.save(state, steps=steps, threshold_scale=scale, finite_run=run)
+            ctx.save(state, steps=steps, threshold_scale=after, finite_run=run)
             ctx.lower_thresholds(scale)
             ctx.emit("threshold_scale", scale)
         ctx.skip_state_updates(bad)
