@@ -6,6 +6,7 @@ import models
 import pytest
 import torch
 import torch.nn as nn
+from parity import coverage_silent
 
 import fxgrad
 
@@ -151,6 +152,22 @@ def test_training_after_explain_runs_the_policy_once():
         weights.append([p.detach().clone() for p in model.parameters()])
     for explained, plain in zip(*weights):
         torch.testing.assert_close(explained, plain, rtol=1e-6, atol=0)
+
+
+def test_eager_training_after_explain_is_not_reported():
+    """explain's compiled module is no model of the user's: a later eager backward must not be
+    reported as bypassing it (GPT-2 with labels, whose forward is two graphs, kept explain's
+    watch alive after its compiled module went)."""
+    model, args, kwargs = models.gpt2()
+    fxgrad.explain(
+        model, *args, backend=fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager"), **kwargs
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with coverage_silent():
+        for _ in range(2):
+            models.loss_of(model(*args, **kwargs)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
 
 
 def test_a_compiled_module_is_explained_as_its_model():

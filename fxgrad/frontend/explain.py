@@ -27,6 +27,7 @@ from fxgrad.frontend.coverage import CoverageWarning
 from fxgrad.frontend.kernels import KernelCollector, ProgramKernels
 from fxgrad.frontend.step_check import handed_back
 from fxgrad.frontend.step_scope import step_routes
+from fxgrad.frontend.watch import untrack_wrapper
 from fxgrad.passes.capture import CapturedGraph
 
 
@@ -183,8 +184,8 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
     capture = collector.capture() if collector is not None else contextlib.nullcontext()
     with _restored(model), handed_back(model), warnings.catch_warnings(record=True) as caught, capture:
         warnings.simplefilter("always", CoverageWarning)
+        compiled = probe.compile(model)
         try:
-            compiled = probe.compile(model)
             loss = _loss_of(compiled(*args, **kwargs))
             loss.backward()
             step_scope = None
@@ -195,6 +196,7 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
                         probe.transform_grads(model)  # on this backward's gradients; _restored puts .grad back
         finally:
             probe.retire()
+            untrack_wrapper(model, compiled)
     messages = list(dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, CoverageWarning)))
     decisions = _decisions(model, probe, step_scope)
     fatal = probe._coverage.fatal if backend.strict and probe._coverage is not None else []

@@ -100,6 +100,15 @@ def track_wrapper(model: nn.Module, compiled: nn.Module) -> None:
     _SHARED.setdefault(model, _Shared()).wrappers.append(weakref.ref(compiled))
 
 
+def untrack_wrapper(model: nn.Module, compiled: nn.Module) -> None:
+    """Forget ``compiled`` (``explain``'s, done), which may live on until the collector runs: the
+    model's own compiled module, or none, is its newest again, and no check of ``compiled``'s
+    watch speaks for it (a later eager backward would be reported as bypassing it)."""
+    shared = _SHARED.get(model)
+    if shared is not None:
+        shared.wrappers = [ref for ref in shared.wrappers if ref() is not compiled]
+
+
 class GradWrites:
     """What the backward passes that write a parameter's ``.grad`` sum into it.
 
@@ -239,7 +248,9 @@ class ForwardWatch:
             return
         # Only for the newest compiled module of the model: compiling it again (another
         # backend or scope, explain(), a notebook cell run twice) leaves this hook behind.
-        if self._shared.passes == self._passes_seen and self.in_graph() and self._shared.newest() is self._compiled():
+        compiled = self._compiled()
+        newest = compiled is not None and self._shared.newest() is compiled
+        if self._shared.passes == self._passes_seen and self.in_graph() and newest:
             self.coverage.warn(
                 BYPASSED.format(
                     param=self._probe_name, model=type(self.model).__name__, transform=self.coverage.transform
