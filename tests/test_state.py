@@ -507,6 +507,24 @@ def test_a_checkpoint_of_renamed_layers_is_reported_and_a_failed_load_changes_no
         optimizer.step()
 
 
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_entries_a_checkpoint_lacks_are_reported_as_starting_over(scope):
+    """A rule added to the policy since the checkpoint: its state starts from scratch, and says so."""
+    model = models.MLP()
+    saved = fxgrad.backend(fxgrad.zclip(), compiler="aot_eager", scope=scope)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    models.loss_of(saved.compile(model)(torch.randn(4, 16))).backward()
+    optimizer.step()
+    grown = fxgrad.backend(fxgrad.chain(fxgrad.zclip(), fxgrad.autoclip()), compiler="aot_eager", scope=scope)
+    grown.load_state_dict(saved.state_dict())
+    optimizer.zero_grad()
+    models.loss_of(grown.compile(model)(torch.randn(4, 16))).backward()
+    with pytest.warns(
+        fxgrad.CoverageWarning, match=r"not in the state given to load_state_dict\(\), and start over: '1.autoclip/"
+    ):
+        optimizer.step()
+
+
 def test_two_backends_never_share_state():
     a = fxgrad.backend(fxgrad.autoclip(), compiler="aot_eager")
     b = fxgrad.backend(fxgrad.autoclip(), compiler="aot_eager")

@@ -765,7 +765,8 @@ class Backend:
         policy, or of this one with transforms added before it) raises
         ``ValueError``, and so does a shape that differs from this policy's; a
         load that raises changes nothing. Keys no compiled transform took by the
-        first optimizer step after the load (a renamed layer) are warned about.
+        first optimizer step after the load (a renamed layer) are warned about, and
+        so are the policy's entries the state lacked (they start over).
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
@@ -783,7 +784,16 @@ class Backend:
 
     def _report_unplaced(self) -> None:
         """Warn for loaded keys that no compiled transform took by the first optimizer step after
-        the load: a layer renamed (the model wrapped, or its modules moved), a statistic misspelt."""
+        the load (a layer renamed: the model wrapped, or its modules moved), and for the policy's
+        state entries the load did not give (a rule or a layer added since the checkpoint)."""
+        missing = self.store.not_loaded()
+        if missing:
+            warn(
+                f"fxgrad: {len(missing)} state entries of the policy {self.transform!r} were not in the state "
+                f"given to load_state_dict(), and start over: {listed(list(map(repr, missing)), 5)} (a rule or a "
+                "layer added since the checkpoint?).",
+                CoverageWarning,
+            )
         unplaced = self.store.pending()
         if unplaced:
             shown = listed(list(map(repr, unplaced)), 5)

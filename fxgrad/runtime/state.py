@@ -188,6 +188,7 @@ class StateStore:
         self._groups: dict[tuple, Group] = {}
         self.external: dict[tuple, ExternalGroup] = {}
         self._pending: dict[str, torch.Tensor] = {}
+        self._loaded_keys: frozenset[str] = frozenset()  # those of the latest load_state_dict
         self._layer_stats: dict[str, tuple[str, str]] = {}  # per-layer statistic key -> (statistic, layer)
         self._step: list[Group] = []  # statistics groups saved in the latest step
         self._overlap: dict[tuple[str, str], bool] = {}  # do two groups share a per-layer statistic?
@@ -293,11 +294,16 @@ class StateStore:
                     live[key].copy_(value)
                 else:
                     self._pending[key] = value.detach().clone()
+        self._loaded_keys = frozenset(state)
 
     def pending(self) -> list[str]:
         """Keys loaded that no compiled transform has placed (yet)."""
         live = {key for slots in self._state.values() for key in slots.layout}
         return [key for key in self._pending if key not in live]
+
+    def not_loaded(self) -> list[str]:
+        """Entries placed so far that the latest :meth:`load_state_dict` did not give: they start over."""
+        return [key for slots in self._state.values() for key in slots.layout if key not in self._loaded_keys]
 
 
 def _loaded(key: str, value: Any, shape: tuple[int, ...] | None) -> torch.Tensor:
