@@ -99,6 +99,15 @@ def test_loss_is_sum_of_floating_outputs_without_loss_attribute():
     assert [row.action for row in report.layers] == ["untouched", "untouched"]
 
 
+def test_a_tuple_whose_first_element_is_a_scalar_gives_the_loss():
+    """A Hugging Face model with return_dict=False returns (loss, logits)."""
+    model, args, kwargs = models.bert()
+    model.config.return_dict = False
+    report = fxgrad.explain(model, *args, backend=aot(None), **kwargs)
+    loss, logits = model(*args, **kwargs)
+    torch.testing.assert_close(report.loss, loss)
+
+
 def test_a_backend_with_a_grad_scaler_is_explained_before_its_first_scaled_backward():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     backend = aot(fxgrad.clip_by_global_norm(1.0), scaler=torch.amp.GradScaler("cpu"))

@@ -39,7 +39,8 @@ def reason(key: Key, name: str, module_type: type | None) -> str | None:
             return f"name matches {key!r}"
         return None
     if module_type is not None and issubclass(module_type, key):
-        return f"is a {key.__name__}"
+        article = "an" if key.__name__[:1] in "AEIOU" else "a"  # an Embedding, a LayerNorm
+        return f"is {article} {key.__name__}"
     return None
 
 

@@ -138,8 +138,10 @@ class Report:
 def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = False, **kwargs: Any) -> Report:
     """Run one forward and backward of ``model`` with ``backend`` and report.
 
-    The loss is ``output.loss`` when the output has one (Hugging Face models),
-    otherwise the sum of the floating-point outputs. ``model`` is left as it
+    The loss is ``output.loss`` when the output has one (Hugging Face models), a
+    tuple's first element when it is a scalar with a gradient (``(loss, logits)``,
+    as with ``return_dict=False``), otherwise the sum of the floating-point
+    outputs. ``model`` is left as it
     was: its gradients, buffers (BatchNorm statistics) and the RNG state are
     restored afterwards. Coverage problems are reported, not raised. The
     backward is of the unscaled loss, so a backend's ``GradScaler`` is left
@@ -265,9 +267,15 @@ def _where(probe: Backend, layer: str) -> str:
 
 
 def _loss_of(output: Any) -> torch.Tensor:
+    """``output.loss``; else a tuple's first element when it is a scalar with a gradient (a
+    Hugging Face model's ``(loss, logits, ...)`` with ``return_dict=False``); else the sum of
+    the floating-point outputs."""
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
+    first = output[0] if isinstance(output, (tuple, list)) and output else None
+    if isinstance(first, torch.Tensor) and first.dim() == 0 and first.is_floating_point() and first.requires_grad:
+        return first
     floats = [t for t in _tensors(output) if t.is_floating_point()]
     if not floats:
         raise ValueError("explain needs a model output with a .loss or floating-point tensors")
