@@ -45,15 +45,18 @@ def report_for(
     transform: Transform | None,
     skip: Iterable[SkipEntry] = DEFAULT_SKIP,
     compiler: str = "aot_eager",
+    scope: str = "graph",
     **kwargs: Any,
 ) -> Report:
-    """:func:`fxgrad.explain` with a backend built from ``transform`` and ``skip``."""
-    backend = Backend(transform, skip=skip, compiler=compiler)
+    """:func:`fxgrad.explain` with a backend built from ``transform``, ``skip``, ``compiler`` and
+    ``scope`` (``"step"``: the step program's nodes; ``kwargs`` go to the model's forward)."""
+    backend = Backend(transform, skip=skip, compiler=compiler, scope=scope)
     return explain(model, *args, backend=backend, **kwargs)
 
 
 def inserted_code(model: nn.Module, *args: Any, transform: Transform, **kwargs: Any) -> str:
-    """The nodes ``transform`` inserts into ``model``'s backward, as stable text."""
+    """The nodes ``transform`` inserts into ``model``'s backward (with ``scope="step"``: the
+    step program's), as stable text."""
     return report_for(model, *args, transform=transform, **kwargs).inserted
 
 

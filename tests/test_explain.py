@@ -42,7 +42,10 @@ def test_step_scope_reports_what_optimizer_step_applies():
         "clip_by_norm(max_norm=1.0)  (on .grad, at optimizer.step)",
         "skipped: is a LayerNorm",
     ]
-    assert report.inserted == ""  # the backward graph is left alone
+    assert report.backward_after == report.backward_before  # the backward graph is left alone ...
+    assert "fxgrad_" not in report.backward_after
+    assert report.inserted.startswith("# layer norms for clip_by_norm(max_norm=1.0)")  # ... the step program has it
+    assert "the step program (scope='step'" in str(report)
     on_update = fxgrad.rescale(alpha=0, multipliers={"0": 2.0}, apply_to="update")
     report = fxgrad.explain(model, torch.randn(2, 4), backend=aot(on_update, scope="step"))
     assert report.layers[0].action.endswith(")  (at optimizer.step)")  # the gradient is left alone

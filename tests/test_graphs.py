@@ -98,6 +98,21 @@ return {
 """,
         )
 
+    def test_the_step_program_holds_the_nodes_graph_scope_inserts(self):
+        """scope="step" leaves the backward alone; explain and inserted_code show its step
+        program instead, in the same form: the same nodes, where one graph holds the model."""
+        policies = [
+            fxgrad.clip_by_global_norm(1.0),
+            fxgrad.chain(fxgrad.rescale(alpha=0.5), fxgrad.monitor()),
+            fxgrad.chain(fxgrad.zclip(), fxgrad.clip_by_norm(0.1)),
+            fxgrad.adaptive_grad_clip(0.01),
+        ]
+        for policy in policies:
+            model, x = tiny()
+            stepped = inserted_code(model, x, transform=policy, scope="step")
+            model, x = tiny()
+            self.assertEqual(stepped, inserted_code(model, x, transform=policy), msg=repr(policy))
+
     def test_clip_by_norm_skips_layernorm(self):
         model, x = tiny()
         self.assertExpectedInline(

@@ -152,7 +152,7 @@ class Backend:
         self._step = None  # runs the policy on .grad in step scope
         self._nesting: tuple[list[weakref.ref], list[int]] = ([], [])  # see _step_models
         self._policy_runs = PolicyRuns()  # ... and tells when a loop never lets it run
-        self._programs = StepPrograms(compiler)  # ... as compiled programs, by gradient layout
+        self._programs = StepPrograms(compiler, keep_code)  # ... as compiled programs, by gradient layout
         self._step_runs = 0  # runs of the policy in step scope
         self._folds = folding.Folds(  # see fold()
             transform,
@@ -658,6 +658,10 @@ class Backend:
         self._apply_to_grads(models, scaler, self._step.parameters(models))  # the kept walk: this runs every step
         if optimizer is not None and self._update_factors is not None:
             self._update_factors.before_step(optimizer, models)
+
+    def step_program_code(self) -> str | None:
+        """With ``keep_code=True``: the nodes of the last step program built (``explain``)."""
+        return self._programs.inserted
 
     def retire(self) -> None:
         """Act on no later ``optimizer.step()``: ``explain``'s own backend, done with its one

@@ -66,6 +66,7 @@ class Report:
     kernels: list[ProgramKernels] | None = None
     compiler: str = ""  # what compiled the graphs shown: Inductor with kernels=True, else the backend's
     raises: list[str] = dataclasses.field(default_factory=list)
+    program: str | None = None  # step scope: the step program's nodes, as inserted shows a backward's
 
     @property
     def backward_before(self) -> str:
@@ -77,7 +78,9 @@ class Report:
 
     @property
     def inserted(self) -> str:
-        return self._joined("inserted")
+        """fxgrad's nodes: those inserted into each backward graph, or in step scope the step
+        program's (which leaves the backward alone), in the same form."""
+        return self.program if self.program is not None else self._joined("inserted")
 
     def _joined(self, field: str) -> str:
         texts = [getattr(g, field) for g in self.graphs if getattr(g, field) is not None]
@@ -130,6 +133,8 @@ class Report:
         for i, graph in enumerate(self.graphs):
             if graph.inserted is not None:
                 parts += ["", f"inserted into backward graph {i}:", graph.inserted.rstrip()]
+        if self.program is not None:
+            parts += ["", "the step program (scope='step': run on .grad at optimizer.step()):", self.program.rstrip()]
         if self.kernels is not None:
             parts += ["", "Inductor kernels (explain compiled with Inductor), in launch order:", self.kernels_table()]
         return "\n".join(parts)
@@ -193,9 +198,8 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
             step_scope = None
             if probe.transform is not None and probe.current_scope() == "step":
                 step_scope = step_routes(probe.transform, [(model, "")], probe.skip, probe.registry.forward_order())[1]
-                if collector is not None:
-                    with collector.step_program():
-                        probe.transform_grads(model)  # on this backward's gradients; _restored puts .grad back
+                with collector.step_program() if collector is not None else contextlib.nullcontext():
+                    probe.transform_grads(model)  # on this backward's gradients; _restored puts .grad back
         finally:
             probe.retire()
             untrack_wrapper(model, compiled)
@@ -203,7 +207,14 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
     decisions = _decisions(model, probe, step_scope)
     fatal = probe._coverage.fatal if backend.strict and probe._coverage is not None else []
     report = Report(
-        backend, decisions, probe.graphs, loss.detach(), messages, compiler=probe.compiler, raises=list(fatal)
+        backend,
+        decisions,
+        probe.graphs,
+        loss.detach(),
+        messages,
+        compiler=probe.compiler,
+        raises=list(fatal),
+        program=probe.step_program_code() if step_scope is not None else None,
     )
     if collector is not None:
         report.kernels = collector.result(probe.graphs, stepped=step_scope is not None)

@@ -44,9 +44,10 @@ from fxgrad.core.layers import GRAD, Owner, not_none
 from fxgrad.core.rule import Route
 from fxgrad.core.warn import warn
 from fxgrad.frontend.rewrite import record_policy
+from fxgrad.passes.graphtext import render_inserted
 from fxgrad.passes.record import gc_paused
 from fxgrad.runtime import norm_math
-from fxgrad.runtime.state import StateStore
+from fxgrad.runtime.state import StateStore, group_label
 
 OWNER_GRAD = operator.attrgetter("tensor.grad")  # a C getter, see fxgrad.core.layers.GRAD
 
@@ -54,8 +55,9 @@ OWNER_GRAD = operator.attrgetter("tensor.grad")  # a C getter, see fxgrad.core.l
 class StepPrograms:
     """The compiled step programs of one backend, by layout."""
 
-    def __init__(self, compiler: str) -> None:
-        self.compiler = compiler
+    def __init__(self, compiler: str, keep_code: bool = False) -> None:
+        self.compiler, self.keep_code = compiler, keep_code
+        self.inserted: str | None = None  # with keep_code: the last program built, as render_inserted writes it
         self._programs: dict[tuple, Callable[..., Any]] = {}
         self._broken: str | None = None  # why building failed; then every step runs eagerly
         self._told_eager: set[str] = set()  # the reasons some gradients run eagerly that were given
@@ -204,6 +206,11 @@ class StepPrograms:
         lookup = lambda names: [self._weights[1][name] for name in names]  # noqa: E731
         with gc_paused(), norm_math.local_shards(group) if group is not None else contextlib.nullcontext():
             new = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold, per_step=True)
+        if self.keep_code:
+            names = {node: o.param for o, node in zip(owners, gm.graph.find_nodes(op="placeholder"))}
+            pairs = (pair for layer, nodes in inputs.items() for pair in zip(nodes, new[layer]))
+            results = {names[node]: result for node, result in pairs}
+            self.inserted = render_inserted(gm, names, results, group_label)
         output = gm.graph.output_node()
         with gm.graph.inserting_before(output):
             for layer, nodes in inputs.items():
