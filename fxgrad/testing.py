@@ -45,7 +45,7 @@ def report_for(
     transform: Transform | None,
     skip: Iterable[SkipEntry] = DEFAULT_SKIP,
     compiler: str = "aot_eager",
-    scope: str = "graph",
+    scope: str = "auto",
     **kwargs: Any,
 ) -> Report:
     """:func:`fxgrad.explain` with a backend built from ``transform``, ``skip``, ``compiler`` and
