@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Sequence, Ty
 
 import torch
 
+from fxgrad.core import match
 from fxgrad.core.layers import Layer
 
 if TYPE_CHECKING:
@@ -268,7 +269,7 @@ def rule(cls: L) -> L:
         raise TypeError(f"rule {cls.__name__} must set its public name: name = '...'")
     taken = RULES.get(cls.name)
     if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise TypeError(f"rule name {cls.name!r} is taken by {taken.__module__}.{taken.__qualname__}")
+        raise TypeError(f"rule name {cls.name!r} is taken by {match.key_repr(taken)}")
     cls = dataclasses.dataclass(frozen=True, repr=False)(cls)
     cls.__init__.__qualname__ = cls.name  # "clip_by_norm() missing 1 required positional argument: 'max_norm'"
     RULES[cls.name] = cls

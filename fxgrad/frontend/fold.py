@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 
 from fxgrad import _compat
+from fxgrad.core import match
 from fxgrad.core.rule import Transform
 from fxgrad.core.warn import warn
 from fxgrad.frontend.coverage import CoverageWarning
@@ -65,10 +66,6 @@ SIGN_ONLY = (torch.optim.Rprop,)  # moves each weight by the sign of its gradien
 
 _SET_HERE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # grad_scale set by fxgrad, not a GradScaler
 _FOLDED_BY: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
-
-
-def _qualified(optimizer: torch.optim.Optimizer) -> str:
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def check(optimizer: Any) -> None:
@@ -150,7 +147,7 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> 
             f"rules only multiply gradient elements by factors > 0: {', '.join(map(repr, moot))}. The weights "
             f"move as without them. {fix}."
         )
-    if not isinstance(optimizer, NORMALIZING) and _qualified(optimizer) not in NORMALIZING_ELSEWHERE:
+    if not isinstance(optimizer, NORMALIZING) and match.key_repr(type(optimizer)) not in NORMALIZING_ELSEWHERE:
         return None
     acting = [leaf for leaf in transform.leaves() if leaf.folds != "identity"]
     if not acting or not all(leaf.fixed_factors() for leaf in acting):
