@@ -50,6 +50,7 @@ from fxgrad.frontend.step_check import (
     policed_elsewhere,
     remove_optimizer_hooks,
     report_outside,
+    stepped_ids,
     superseded,
 )
 from fxgrad.frontend.step_program import StepPrograms
@@ -605,10 +606,9 @@ class Backend:
             if self.current_scope() == "step":  # graph scope: the step check reports them
                 report_outside(optimizer, self.transform, [model for model, _ in self._step_models()])
             elif self._coverage is not None:
-                stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-                self._coverage.stepped_together(self.registry, stepped, type(optimizer).__name__)
+                self._coverage.stepped_together(self.registry, stepped_ids(optimizer), type(optimizer).__name__)
         if self._summed:
-            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            stepped = stepped_ids(optimizer)
             for probe, message in list(self._summed.items()):
                 if id(probe) in stepped:
                     del self._summed[probe]

@@ -77,6 +77,11 @@ OUTSIDE = (
 )
 
 
+def stepped_ids(optimizer: torch.optim.Optimizer) -> set[int]:
+    """The ids of the parameters ``optimizer`` steps (its parameter groups change: read them each time)."""
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
 def report_outside(optimizer: torch.optim.Optimizer, transform: Transform, models: Sequence[nn.Module]) -> None:
     """Warn about the parameters ``optimizer`` steps with a gradient that are in none of ``models``
     nor in any model an fxgrad backend compiled, when ``transform`` reduces across layers: its

@@ -54,7 +54,7 @@ from fxgrad.core.layers import (
 from fxgrad.core.rule import Route, Transform
 from fxgrad.core.warn import warn
 from fxgrad.frontend.coverage import CoverageError, CoverageWarning
-from fxgrad.frontend.step_check import optimizer_pre_hook
+from fxgrad.frontend.step_check import optimizer_pre_hook, stepped_ids
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.runtime.executor import run_policy
 from fxgrad.runtime.state import StateStore
@@ -251,7 +251,7 @@ class StepScope:
             return
         models = self.models()
         if len(models) > 1:  # the models this optimizer steps: a GAN's generator, or its discriminator
-            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            stepped = stepped_ids(optimizer)
             models = [pair for pair in models if any(id(p) in stepped for p in self.parameters([pair]))]
         params = self.parameters(models)
         ours = self.ids(params)
