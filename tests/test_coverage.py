@@ -758,22 +758,9 @@ def test_warnings_name_the_line_of_the_training_loop():
     del out
 
 
-class _Encoder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
-class _Head(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.h1, self.h2 = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.h2(torch.relu(self.h1(x)))
+def encoder_and_head():
+    """Two models of their own, the encoder's output the head's input."""
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), nn.Linear(8, 4)
 
 
 @pytest.mark.parametrize("strict", [True, False])
@@ -781,7 +768,7 @@ def test_one_optimizer_over_models_compiled_one_by_one_is_reported_in_graph_scop
     """An encoder and a head, each compiled with the same backend, one optimizer: in graph scope each
     backward clips its own model's norm, not the norm of everything the optimizer steps."""
     torch.manual_seed(0)
-    encoder, head = _Encoder(), _Head()
+    encoder, head = encoder_and_head()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.5), compiler="aot_eager", strict=strict)
     model = lambda x: torch.compile(head, backend=backend)(torch.compile(encoder, backend=backend)(x))  # noqa: E731
     optimizer = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.1)
@@ -789,14 +776,14 @@ def test_one_optimizer_over_models_compiled_one_by_one_is_reported_in_graph_scop
     expect = pytest.raises(fxgrad.CoverageError) if strict else pytest.warns(fxgrad.CoverageWarning)
     with expect as found:
         optimizer.step()
-    assert "SGD steps the parameters of 2 models this backend compiled one by one (_Encoder, _Head)" in str(
+    assert "SGD steps the parameters of 2 models this backend compiled one by one (Linear, Sequential)" in str(
         found.value if strict else found[0].message
     )
 
 
 def test_models_compiled_one_by_one_with_an_optimizer_each_are_not_reported():
     """A GAN: each optimizer steps one model, and each model's own norm is the one meant."""
-    encoder, head = _Encoder(), _Head()
+    encoder, head = encoder_and_head()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.5), compiler="aot_eager")
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (encoder, head)]
     with coverage_silent():
@@ -808,7 +795,7 @@ def test_models_compiled_one_by_one_with_an_optimizer_each_are_not_reported():
 
 def test_models_compiled_one_by_one_in_step_scope_get_the_clip_of_everything_stepped():
     torch.manual_seed(0)
-    encoder, head = _Encoder(), _Head()
+    encoder, head = encoder_and_head()
     expected = copy.deepcopy(encoder), copy.deepcopy(head)
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")
     x = torch.randn(4, 8)
