@@ -58,7 +58,7 @@ from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
 from fxgrad.frontend.warm_start import StandIn
 from fxgrad.frontend.watch import ForwardWatch, GradWrites, OncePerPass, track_wrapper
-from fxgrad.passes.capture import CapturedGraph, Root, capture
+from fxgrad.passes.capture import CapturedGraph, Root, capture, live_root
 from fxgrad.passes.graphtext import normalize_code, render_inserted
 from fxgrad.passes.record import gc_paused
 from fxgrad.runtime.state import StateStore, group_label
@@ -414,7 +414,8 @@ class Backend:
         if known:
             return
         self._models.append(weakref.ref(model))
-        self.registry.roots.setdefault(id(model), Root(weakref.ref(model), ""))
+        if live_root(self.registry.roots, model) is None:
+            self.registry.roots[id(model)] = Root(weakref.ref(model), "")
         if self._step_check is not None:
             self._step_check.arm()
         if self._step is not None and self.scope != "graph":

@@ -14,7 +14,7 @@ import weakref
 from typing import Iterable, Sequence
 
 from fxgrad.core.layers import Layer, ParamRow, SkipEntry, build_layers, model_rows, parameter_owners
-from fxgrad.passes.capture import CapturedGraph, Root
+from fxgrad.passes.capture import CapturedGraph, Root, live_root
 
 
 def merged_order(known: Sequence[str], graph_order: Iterable[str]) -> list[str]:
@@ -106,7 +106,7 @@ class GraphRegistry:
 
     def prefix(self, model: object) -> str:
         """The prefix of ``model``'s layer names (see :class:`Root`)."""
-        root = self.roots.get(id(model))
+        root = live_root(self.roots, model)
         return root.prefix if root is not None else ""
 
     def model_name(self, graph: CapturedGraph) -> str:

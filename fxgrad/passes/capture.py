@@ -130,6 +130,13 @@ class CapturedGraph:
         return {p.root for p in self.params if p.root is not None}
 
 
+def live_root(roots: dict[int, Root], module: object) -> Root | None:
+    """``module``'s entry in ``roots``, keyed by ``id(module)``; None for an entry a freed
+    model left under an id that ``module`` has now."""
+    root = roots.get(id(module))
+    return root if root is not None and root.module() is module else None
+
+
 _SIMPLE_SOURCE = re.compile(r"^[LG]\['([^']+)'\]$")
 
 
@@ -163,7 +170,7 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
     # the modules some of whose parameters this graph may compute gradients of
     trained = {id(root) for _, value, _, root in found if value.requires_grad} if _compat.may_record_grad(gm) else set()
     for key, (module, source) in modules.items():
-        if key not in roots:
+        if live_root(roots, module) is None:
             prefix = _variable_name(source) if len(modules) > 1 else ""
             named = parameter_owners(module, prefix)
             renamed = _names_taken(named, owners)
