@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import operator
 import re
 import sys
@@ -25,7 +26,6 @@ import torch._inductor.config as _inductor_config
 from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 from torch._guards import detect_fake_mode as _detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass as _CustomGraphPass
-from torch._inductor.custom_graph_pass import get_custom_graph_passes as _custom_graph_passes
 from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch._subclasses.fake_tensor import FakeTensorConfig as _FakeTensorConfig
@@ -143,21 +143,23 @@ def new_fake_view(base: torch.Tensor, layout: tuple, storage_offset: int) -> tor
     return _wrap_meta(base.fake_mode, torch.Tensor.as_strided(base, shape, stride, storage_offset), device)
 
 
-_FAKE_FIELDS: dict[torch.device, dict[str, Any]] = {}  # device -> a new FakeTensor's attributes
+# device -> a new FakeTensor's normalized device and attributes
+_FAKE_FIELDS: dict[torch.device, tuple[torch.device, dict[str, Any]]] = {}
 
 
 def _wrap_meta(fake_mode: Any, meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``FakeTensor(fake_mode, meta, device)``, at a third of the cost: the attributes its
     constructor sets one by one (devices, empty memos) are copied from the first one made
     for ``device``. Recording a 1000-layer policy makes tens of thousands of these."""
-    fields = _FAKE_FIELDS.get(device)
-    if fields is None or _FakeTensorConfig.debug:  # debug mode records a traceback per tensor
+    known = _FAKE_FIELDS.get(device)
+    if known is None or _FakeTensorConfig.debug:  # debug mode records a traceback per tensor
         fake = _FakeTensor(fake_mode, meta, device)
         if not _FakeTensorConfig.debug:
-            _FAKE_FIELDS[device] = {k: v for k, v in vars(fake).items() if k != "fake_mode"}
+            _FAKE_FIELDS[device] = fake.device, {k: v for k, v in vars(fake).items() if k != "fake_mode"}
         return fake
+    fake_device, fields = known
     fake = torch.Tensor._make_subclass(
-        _FakeTensor, meta, meta.requires_grad, dispatch_device=True, device_for_backend_keys=fields["_fake_device"]
+        _FakeTensor, meta, meta.requires_grad, dispatch_device=True, device_for_backend_keys=fake_device
     )
     if fake_mode._allow_unsafe_data_ptr_access:
         torch._C._set_warn_deprecated_on_mutable_data_ptr(fake)
@@ -340,26 +342,35 @@ def autograd_cache_enabled() -> bool:
     return bool(_functorch_config.enable_autograd_cache and _inductor_config.fx_graph_cache)
 
 
-class _CacheKey(_CustomGraphPass):
-    """A post-grad pass that changes nothing: its ``uuid`` is part of both on-disk cache keys."""
+# torch.compile(..., isolate_recompiles=) came in torch 2.13; bench/gpu.sh's device image has 2.11.
+TORCH_COMPILE_ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
-    def __init__(self, key: str) -> None:
-        self.key = key
+
+class _CacheKey(_CustomGraphPass):
+    """The post-grad passes the settings held, run in order; ``uuid`` is theirs plus ``key``.
+
+    One pass, not a tuple of them: torch before 2.13 (bench/gpu.sh's device image) takes one."""
+
+    def __init__(self, key: str, passes: Sequence[_CustomGraphPass]) -> None:
+        self.key, self.passes = key, tuple(passes)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        pass
+        for graph_pass in self.passes:
+            graph_pass(graph)
 
-    def uuid(self) -> str:
-        return self.key
+    def uuid(self) -> tuple | None:
+        uuids = tuple(graph_pass.uuid() for graph_pass in self.passes)
+        return None if None in uuids else (*uuids, self.key)  # None: a pass that must not be cached
 
 
 def cache_keyed(config_patches: dict, key: str) -> dict:
     """``config_patches`` plus ``key`` in the keys of AOTAutograd's and Inductor's on-disk caches.
 
     Both hash Inductor's settings, and in them each custom post-grad pass's ``uuid()``; this
-    adds a pass that does nothing, after any the settings already hold."""
+    wraps the passes the settings already hold in one that adds ``key``."""
     current = config_patches.get("post_grad_custom_post_pass", _inductor_config.post_grad_custom_post_pass)
-    return {**config_patches, "post_grad_custom_post_pass": (*_custom_graph_passes(current), _CacheKey(key))}
+    passes = () if current is None else tuple(current) if isinstance(current, (list, tuple)) else (current,)
+    return {**config_patches, "post_grad_custom_post_pass": _CacheKey(key, passes)}
 
 
 def current_frame_scope() -> tuple[dict, dict] | None:

@@ -67,3 +67,24 @@ def test_a_backward_whose_layers_differ_from_the_stand_in_is_not_saved(tmp_path)
     again = step("detached", tmp_path)
     assert (first["aot_cache_saved"], again["aot_cache_hits"]) == (0, 0)
     assert again["stats"] == pytest.approx(first["stats"], rel=1e-6)
+
+
+def test_the_cache_key_pass_runs_the_passes_the_settings_held_and_keys_on_them():
+    from fxgrad import _compat
+
+    class Mine(_compat._CustomGraphPass):
+        def __init__(self, key):
+            self.key, self.ran = key, 0
+
+        def __call__(self, graph):
+            self.ran += 1
+
+        def uuid(self):
+            return self.key
+
+    mine = Mine("mine")
+    keyed = _compat.cache_keyed({"post_grad_custom_post_pass": mine}, "policy")["post_grad_custom_post_pass"]
+    keyed(None)
+    assert mine.ran == 1 and keyed.uuid() == ("mine", "policy")
+    both = _compat.cache_keyed({"post_grad_custom_post_pass": (mine, Mine(None))}, "policy")
+    assert both["post_grad_custom_post_pass"].uuid() is None  # a pass that opts out of caching still does

@@ -370,7 +370,8 @@ class Backend:
                 f"model must be an nn.Module, got {type(model).__name__}; compile a function with "
                 "torch.compile(fn, backend=backend)"
             )
-        compile_kwargs.setdefault("isolate_recompiles", True)
+        if _compat.TORCH_COMPILE_ISOLATES:
+            compile_kwargs.setdefault("isolate_recompiles", True)
         patches = _compat.inductor_config_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
         if patches and self.compiler != "inductor":
             raise ValueError(f"mode= and options= configure Inductor; this backend has compiler={self.compiler!r}")
