@@ -26,6 +26,11 @@ import torch._inductor.config as _inductor_config
 from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 from torch._guards import detect_fake_mode as _detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass as _CustomGraphPass
+
+try:
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes as _custom_graph_passes
+except ImportError:  # torch before 2.13 (bench/gpu.sh's device image): the setting takes one pass
+    _custom_graph_passes = None
 from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch._subclasses.fake_tensor import FakeTensorConfig as _FakeTensorConfig
@@ -347,30 +352,32 @@ TORCH_COMPILE_ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile
 
 
 class _CacheKey(_CustomGraphPass):
-    """The post-grad passes the settings held, run in order; ``uuid`` is theirs plus ``key``.
+    """A post-grad pass that adds ``key`` to both on-disk cache keys and otherwise runs
+    ``passes`` (those the settings held, where torch takes a single pass)."""
 
-    One pass, not a tuple of them: torch before 2.13 (bench/gpu.sh's device image) takes one."""
-
-    def __init__(self, key: str, passes: Sequence[_CustomGraphPass]) -> None:
+    def __init__(self, key: str, passes: Sequence[_CustomGraphPass] = ()) -> None:
         self.key, self.passes = key, tuple(passes)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for graph_pass in self.passes:
             graph_pass(graph)
 
-    def uuid(self) -> tuple | None:
+    def uuid(self) -> Any:
         uuids = tuple(graph_pass.uuid() for graph_pass in self.passes)
-        return None if None in uuids else (*uuids, self.key)  # None: a pass that must not be cached
+        return None if None in uuids else (*uuids, self.key) if uuids else self.key  # None: do not cache
 
 
 def cache_keyed(config_patches: dict, key: str) -> dict:
     """``config_patches`` plus ``key`` in the keys of AOTAutograd's and Inductor's on-disk caches.
 
     Both hash Inductor's settings, and in them each custom post-grad pass's ``uuid()``; this
-    wraps the passes the settings already hold in one that adds ``key``."""
+    adds a pass that does nothing, after any the settings already hold."""
     current = config_patches.get("post_grad_custom_post_pass", _inductor_config.post_grad_custom_post_pass)
-    passes = () if current is None else tuple(current) if isinstance(current, (list, tuple)) else (current,)
-    return {**config_patches, "post_grad_custom_post_pass": _CacheKey(key, passes)}
+    if _custom_graph_passes is not None:
+        passes = (*_custom_graph_passes(current), _CacheKey(key))
+    else:
+        passes = _CacheKey(key, () if current is None else (current,))
+    return {**config_patches, "post_grad_custom_post_pass": passes}
 
 
 def current_frame_scope() -> tuple[dict, dict] | None:
