@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from fxgrad import _compat
+
 pytestmark = [pytest.mark.inductor, pytest.mark.slow]
 
 PROBE = os.path.join(os.path.dirname(__file__), "cache_probe.py")
@@ -70,7 +72,7 @@ def test_a_backward_whose_layers_differ_from_the_stand_in_is_not_saved(tmp_path)
 
 
 def test_the_cache_key_keeps_the_passes_the_settings_held():
-    from fxgrad import _compat
+    """A user's own post-grad pass still runs, and still keys the caches, beside fxgrad's key."""
 
     class Mine(_compat._CustomGraphPass):
         def __init__(self, key):
