@@ -295,7 +295,7 @@ class Backend:
         before = graph.params  # rebind replaces the list
         if graph.rebind(args) or self._coverage is None or self.current_scope() == "step":
             return  # step scope: the graph is a plain one, and the policy's state is per layer of the model
-        if id(args[graph.params[0].index]) not in graph.reused:
+        if not graph.reuses(args[graph.params[0].index]):
             self.registry.note_reuse(graph, [p.tensor() for p in before] + [args[p.index] for p in graph.params])
         self._coverage.warn(
             f"fxgrad: Dynamo reuses the graph compiled for layer {graph.params[0].layer!r} with the parameters "

@@ -272,7 +272,7 @@ class CoverageCheck:
         encoder and a head compiled one by one; torchtitan's blocks)."""
         if not self.transform.reduces_across_layers():
             return
-        graphs = [graph for graph in registry.graphs if graph.live() and graph.trains]
+        graphs = [graph for graph in registry.current() if graph.trains]
         roots = {
             slot.root
             for graph in graphs

@@ -77,10 +77,16 @@ class GraphRegistry:
         By identity, not by ``id()`` alone: a freed parameter's id can come back as
         another model's parameter, and Dynamo keeps old graphs alive."""
         if self._held is None:
-            self._held = {id(p.tensor()): p.tensor for graph in self.graphs for p in graph.params}
-            self._held.update((key, ref) for graph in self.graphs for key, (ref, _) in graph.reused.items())
+            graphs = self.current()
+            self._held = {id(p.tensor()): p.tensor for graph in graphs for p in graph.params}
+            self._held.update((key, ref) for graph in graphs for key, ref, _ in graph.reused_layers())
         ref = self._held.get(id(tensor))
         return ref is not None and ref() is tensor
+
+    def current(self) -> list[CapturedGraph]:
+        """The graphs that are not a freed model's (:meth:`CapturedGraph.current`): what the
+        questions below are about."""
+        return [graph for graph in self.graphs if graph.current()]
 
     def _changed(self) -> None:
         self._held = None
@@ -98,6 +104,7 @@ class GraphRegistry:
             model = root.module()
             if model is not None:
                 owners.update(parameter_owners(model, root.prefix))
+        graph.reused = {key: (ref, layer) for key, ref, layer in graph.reused_layers()}  # drop freed ones
         for param in params:
             owner = owners.get(id(param))
             if owner is not None:
@@ -138,7 +145,7 @@ class GraphRegistry:
         roots = graph.roots()
         return [
             other
-            for other in self.graphs
+            for other in self.current()
             if other is not graph
             and other.roots() & roots
             and (other.compile_id[0] != frame or other.compile_id == graph.compile_id)
@@ -149,8 +156,9 @@ class GraphRegistry:
         graph break, and recompiles (of a branch, or of a submodule's frame for another
         instance); and layers of other modules that any graph ran for (:meth:`note_reuse`).
         A per-layer transform reaches them in the graph that holds them."""
-        held = {p.layer for other in self.graphs if other is not graph for p in other.params}
-        return held | {layer for other in self.graphs for _, layer in other.reused.values()}
+        graphs = self.current()
+        held = {p.layer for other in graphs if other is not graph for p in other.params}
+        return held | {layer for other in graphs for _, _, layer in other.reused_layers()}
 
     def shared_layers(self, graph: CapturedGraph, has_grad: set[int]) -> set[str]:
         """Layers with a parameter that another graph of the same forward also uses."""
@@ -162,7 +170,7 @@ class GraphRegistry:
         """Where a layer missing from ``graph`` is, in words."""
         if any(p.layer == layer for part in self.parts_of_same_forward(graph) for p in part.params):
             return "in another compiled graph of the same forward (a graph break)"
-        if any(p.layer == layer for other in self.graphs for p in other.params):
+        if any(p.layer == layer for other in self.current() for p in other.params):
             return "in another compiled graph (a graph break, or a recompile for a branch taken on other inputs)"
         return (
             "in no compiled graph: it runs outside torch.compile (a graph break in a loop, or a frame "

@@ -308,7 +308,7 @@ class StepCheck:
 
     def _unheld(self, unheld: frozenset) -> None:
         """Parameters with a gradient that no graph of the backend holds."""
-        reported = {layer.name for graph in self.registry.graphs for gap in graph.gaps for layer, _ in gap.layers}
+        reported = {layer.name for graph in self.registry.current() for gap in graph.gaps for layer, _ in gap.layers}
         for model in self._checked_models():
             prefix = self.registry.prefix(model)
             layers = build_layers(model_rows(model, prefix)[0], self.registry.forward_order(), self.coverage.skip)

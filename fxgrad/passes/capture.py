@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import weakref
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.fx
@@ -100,6 +100,23 @@ class CapturedGraph:
 
     def live(self) -> bool:
         return self.compiled is None or self.compiled() is not None
+
+    def current(self) -> bool:
+        """Live, and not a freed model's: Dynamo keeps a graph whose parameters and their
+        modules are all gone (and may run it for a new model, which binds it again), and
+        ``id()``s such as :attr:`ParamSlot.root` then name other objects."""
+        return self.live() and not (
+            self.params and all(p.tensor() is None and (p.module is None or p.module() is None) for p in self.params)
+        )
+
+    def reuses(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of :attr:`reused` (by identity: a freed one's id is reused)."""
+        entry = self.reused.get(id(param))
+        return entry is not None and entry[0]() is param
+
+    def reused_layers(self) -> Iterator[tuple[int, weakref.ref, str]]:
+        """``(id, parameter weakly, layer)`` of the live parameters in :attr:`reused`."""
+        return ((key, ref, layer) for key, (ref, layer) in self.reused.items() if ref() is not None)
 
     def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
         """The parameters ``names`` stand for now (weight-reading transforms call this when the
