@@ -165,6 +165,7 @@ class Backend:
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._told_scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._met: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models checked by _meet
+        self._tracked: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # see _track
         self._loaded = False  # load_state_dict() ran, and no optimizer step has checked what it placed
         if transform is not None:
             in_step = lambda: self.current_scope() == "step"  # noqa: E731
@@ -219,6 +220,8 @@ class Backend:
         patches = _compat.inductor_config_patches(mode, options)
         graph = capture(gm, example_inputs, self.registry.roots)
         self.registry.add(graph)
+        for key in graph.roots():
+            self._track(self.registry.roots[key].module())
         if graph.renamed_roots and self._coverage is not None:
             self._coverage.warn(
                 f"fxgrad: a graph's outermost module shares layer names with a module this backend met "
@@ -415,6 +418,7 @@ class Backend:
         if known:
             return
         self._models.append(weakref.ref(model))
+        self._track(model)
         if live_root(self.registry.roots, model) is None:
             self.registry.roots[id(model)] = Root(weakref.ref(model), "")
         if self._step_check is not None:
@@ -512,6 +516,7 @@ class Backend:
         if model is not None and all(ref() is not model for ref in self._models):
             self._meet(model, at_step=True)
             self._models.append(weakref.ref(model))  # later optimizer steps find it too
+            self._track(model)
         models = [(model, "")] if model is not None else self._step_models()
         if not models:
             raise RuntimeError("step() has no model: pass step(model), or compile one with this backend first")
@@ -698,6 +703,22 @@ class Backend:
                 CoverageWarning,
             )
 
+    def _track(self, model: nn.Module | None) -> None:
+        """When ``model`` dies, drop what step scope keeps from step to step (its walk of the
+        parameters, their routes): torch._dynamo keeps every backend alive, and those would keep
+        a freed model's parameters and gradients, or count its stale gradients in a later
+        model's global norm."""
+        if model is not None and model not in self._tracked:
+            self._tracked.add(model)
+            weakref.finalize(model, _forget_kept, weakref.ref(self))
+
+    def _forget_kept(self) -> None:
+        if self._step is not None:
+            self._step.forget()
+        self._programs.forget()
+        if self._update_factors is not None:
+            self._update_factors.forget()
+
     def _step_models(self) -> list[tuple[nn.Module, str]]:
         """The models step scope covers: those given to :meth:`compile` or :meth:`step`, then the
         roots of the compiled graphs (a model compiled with ``backend.compile`` is both; it counts
@@ -810,6 +831,13 @@ class Backend:
                 "state they hold starts over. They wait, should a graph that needs them compile later.",
                 CoverageWarning,
             )
+
+
+def _forget_kept(backend: weakref.ref) -> None:
+    """A model of ``backend`` died (see :meth:`Backend._track`)."""
+    alive = backend()
+    if alive is not None:
+        alive._forget_kept()
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

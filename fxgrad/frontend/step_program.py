@@ -68,6 +68,10 @@ class StepPrograms:
         self._routings: dict[tuple, int] = {}  # routes and parameter names -> a small int, for program keys
         self._last_routing: tuple[Any, int] = (None, -1)  # the last routes seen, and their int
 
+    def forget(self) -> None:
+        """Drop the last step's parameters and routes (the programs stay)."""
+        self._routes, self._weights = None, (None, {})
+
     def routes(
         self,
         models: Sequence[tuple[nn.Module, str]],

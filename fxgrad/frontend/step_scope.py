@@ -78,7 +78,10 @@ def step_routes(
     with_grad = [o for o in owners.values() if o.tensor.grad is not None]
     rows = [ParamRow(o.layer, o.param, type(o.module), o.tensor.numel()) for o in with_grad]
     layers = build_layers(rows, order or list(dict.fromkeys(o.layer for o in owners.values())), skip)
-    return with_grad, [(i, route) for i, route in enumerate(transform.routes(layers)) if route.layers]
+    routes = [(i, route) for i, route in enumerate(transform.routes(layers)) if route.layers]
+    # Without their modules: callers keep them from step to step, and must not keep a model
+    # alive (a backend outlives its models: torch._dynamo holds every backend it compiled with).
+    return [o._replace(module=None) for o in with_grad], routes
 
 
 def apply_to_grads(
@@ -262,6 +265,11 @@ class StepScope:
         self.apply(models, None if unscaled else self.scaler, params)
         self.after(optimizer)
 
+    def forget(self) -> None:
+        """Drop the kept walks: a model died (what ran on which gradients stays known)."""
+        self._walks, self._ids = {}, ((), frozenset())
+        self._seen.forget()
+
     def parameters(self, models: list[tuple[nn.Module, str]]) -> tuple[nn.Parameter, ...]:
         """``models``' parameters, each once (walked again only when a model changed)."""
         key = tuple(id(model) for model, _ in models)
@@ -320,6 +328,10 @@ class SeenGrads:
         held = not_none(grads)
         grads = list(itertools.compress(grads, held))
         self._last = params, held, list(map(weakref.ref, grads)), list(map(_compat.tensor_version, grads))
+
+    def forget(self) -> None:
+        """Keep the last record by parameter id, not with the parameters."""
+        self._merge_last()
 
     def _merge_last(self) -> None:
         params, held, refs, versions = self._last

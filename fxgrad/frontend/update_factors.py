@@ -53,6 +53,10 @@ class UpdateFactors:
         self._before: weakref.WeakKeyDictionary[torch.optim.Optimizer, list] = weakref.WeakKeyDictionary()
         optimizer_post_hook(self, UpdateFactors.after_step)
 
+    def forget(self) -> None:
+        """Drop the kept walk of the parameters (a model died)."""
+        self._walk, self._layers = ModelParameters(), ((None, None), {})
+
     def before_step(self, optimizer: torch.optim.Optimizer, models: list[tuple[nn.Module, str]] | None = None) -> None:
         """Copy the weights ``optimizer`` is about to step that have an update factor
         (``models``: where to find their layers, the backend's models by default)."""
