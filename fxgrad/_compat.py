@@ -160,7 +160,7 @@ def _wrap_meta(fake_mode: Any, meta: torch.Tensor, device: torch.device) -> torc
     if known is None or _FakeTensorConfig.debug:  # debug mode records a traceback per tensor
         fake = _FakeTensor(fake_mode, meta, device)
         if not _FakeTensorConfig.debug:
-            _FAKE_FIELDS[device] = fake.device, {k: v for k, v in vars(fake).items() if k != "fake_mode"}
+            _FAKE_FIELDS[device] = fake.fake_device, {k: v for k, v in vars(fake).items() if k != "fake_mode"}
         return fake
     fake_device, fields = known
     fake = torch.Tensor._make_subclass(
@@ -363,7 +363,8 @@ class _CacheKey(_CustomGraphPass):
             graph_pass(graph)
 
     def uuid(self) -> Any:
-        uuids = tuple(graph_pass.uuid() for graph_pass in self.passes)
+        # a plain function there has no uuid: Inductor then does not cache, and neither does this
+        uuids = tuple(getattr(graph_pass, "uuid", lambda: None)() for graph_pass in self.passes)
         return None if None in uuids else (*uuids, self.key) if uuids else self.key  # None: do not cache
 
 
@@ -371,7 +372,8 @@ def cache_keyed(config_patches: dict, key: str) -> dict:
     """``config_patches`` plus ``key`` in the keys of AOTAutograd's and Inductor's on-disk caches.
 
     Both hash Inductor's settings, and in them each custom post-grad pass's ``uuid()``; this
-    adds a pass that does nothing, after any the settings already hold."""
+    adds a pass that does nothing, after any the settings already hold (before torch 2.13,
+    which takes one pass, the added pass runs those)."""
     current = config_patches.get("post_grad_custom_post_pass", _inductor_config.post_grad_custom_post_pass)
     if _custom_graph_passes is not None:
         passes = (*_custom_graph_passes(current), _CacheKey(key))
