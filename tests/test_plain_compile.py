@@ -420,22 +420,76 @@ def test_a_sweep_of_new_models_through_one_backend_stays_exact_and_silent():
         gc.collect()
 
 
+def at_a_freed_address(trial, cls):
+    """Run ``trial()`` (which makes a model, trains it and returns its id) until an instance of
+    ``cls`` can take the freed model's address; that instance, not yet initialized."""
+    for _ in range(10):
+        address = trial()
+        gc.collect()
+        tries = [cls.__new__(cls) for _ in range(1000)]  # kept alive, so each takes another address
+        found = next((model for model in tries if id(model) == address), None)
+        if found is not None:
+            return found
+    pytest.skip("no object landed at a freed model's address")
+
+
 def test_a_model_of_another_class_at_a_freed_models_address_is_not_its_forward():
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager")
-    for _ in range(10):  # a trial, until the next model lands at its freed model's address
+
+    def trial():
         first = TwoLayers()
         clipped_like_eager(first, torch.compile(first, backend=backend), 0.05)
-        address = id(first)
-        del first
-        gc.collect()
-        tries = [Wider.__new__(Wider) for _ in range(1000)]  # kept alive, so each takes another address
-        second = next((model for model in tries if id(model) == address), None)
-        if second is not None:
-            break
-    else:
-        pytest.skip("no object landed at a freed model's address")
+        return id(first)
+
+    second = at_a_freed_address(trial, Wider)
     second.__init__()
     with coverage_silent():  # was: "would see only part of its layers: fc1 ... also used by another graph"
+        assert clipped_like_eager(second, torch.compile(second, backend=backend), 0.05) < 1e-5
+
+
+class OnBackbone(nn.Module):
+    """A trial's model around a backbone that outlives it."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone, self.head = backbone, nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.backbone(x)))
+
+
+class OtherOnBackbone(OnBackbone):
+    def forward(self, x):
+        return self.head(torch.tanh(self.backbone(x)))
+
+
+def test_each_model_on_a_shared_backbone_is_bound_to_its_own_head():
+    """Dynamo runs the first model's graph for the next: its first parameter, the backbone's,
+    is the same, and the graph must still follow the new head."""
+    backbone = nn.Linear(8, 8)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager")
+    for _ in range(2):
+        model = OnBackbone(backbone)
+        with coverage_silent():  # was: "got gradients from no graph of this backend ...: head"
+            assert clipped_like_eager(model, torch.compile(model, backend=backend), 0.05) < 1e-5
+        del model
+        gc.collect()
+
+
+def test_a_freed_models_graph_is_not_the_next_models_forward_through_a_shared_backbone():
+    """The freed model's graph stays (its backbone's parameters live), but the model it was
+    compiled for is not the new one at its address."""
+    backbone = nn.Linear(8, 8)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager")
+
+    def trial():
+        first = OnBackbone(backbone)
+        clipped_like_eager(first, torch.compile(first, backend=backend), 0.05)
+        return id(first)
+
+    second = at_a_freed_address(trial, OtherOnBackbone)
+    second.__init__(backbone)
+    with coverage_silent():  # was: "would see only part of its layers: backbone ... head"
         assert clipped_like_eager(second, torch.compile(second, backend=backend), 0.05) < 1e-5
 
 

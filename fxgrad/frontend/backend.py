@@ -166,6 +166,7 @@ class Backend:
         self._told_scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._met: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models checked by _meet
         self._tracked: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # see _track
+        self._models_died = False  # ... and one of them died since
         self._loaded = False  # load_state_dict() ran, and no optimizer step has checked what it placed
         if transform is not None:
             in_step = lambda: self.current_scope() == "step"  # noqa: E731
@@ -271,7 +272,7 @@ class Backend:
             if not step_scope and graph.params and scope == "step":
                 raise CoverageError(SCOPE_CHANGED)
             self._graph_runs += 1  # lets compile() see forwards that ran no compiled graph
-            if graph.params and args[graph.params[0].index] is not graph.params[0].tensor():
+            if graph.params and not graph.bound_to(args):
                 self._rebind(graph, args)
             outputs = compiled(*args)
             if not step_scope and graph.reads_weights is not False and graph.params and torch.is_grad_enabled():
@@ -601,6 +602,7 @@ class Backend:
         the update steps gradients accumulated over backward passes in graph scope (plain path);
         keep the weights that update-level factors scale the change of, and give a folded
         optimizer the factor the policy left."""
+        self._drop_kept()
         if self._loaded:
             self._loaded = False
             self._report_unplaced()
@@ -704,20 +706,23 @@ class Backend:
             )
 
     def _track(self, model: nn.Module | None) -> None:
-        """When ``model`` dies, drop what step scope keeps from step to step (its walk of the
-        parameters, their routes): torch._dynamo keeps every backend alive, and those would keep
-        a freed model's parameters and gradients, or count its stale gradients in a later
-        model's global norm."""
+        """Once ``model`` dies, drop what step scope and the update factors keep from step to
+        step (walks of the parameters, their routes) before the next step: torch._dynamo keeps
+        every backend alive, and those would keep a freed model's parameters and gradients."""
         if model is not None and model not in self._tracked:
             self._tracked.add(model)
-            weakref.finalize(model, _forget_kept, weakref.ref(self))
+            weakref.finalize(model, _model_died, weakref.ref(self)).atexit = False
 
-    def _forget_kept(self) -> None:
-        if self._step is not None:
-            self._step.forget()
-        self._programs.forget()
-        if self._update_factors is not None:
-            self._update_factors.forget()
+    def _drop_kept(self) -> None:
+        """Where no step runs (the garbage collector can free a model in the middle of one,
+        while a step program reads the weights it was given)."""
+        if self._models_died:
+            self._models_died = False
+            if self._step is not None:
+                self._step.forget()
+            self._programs.forget()
+            if self._update_factors is not None:
+                self._update_factors.forget()
 
     def _step_models(self) -> list[tuple[nn.Module, str]]:
         """The models step scope covers: those given to :meth:`compile` or :meth:`step`, then the
@@ -742,6 +747,7 @@ class Backend:
         return [pairs[i] for i in order]
 
     def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list | None = None) -> None:
+        self._drop_kept()
         self._policy_runs.ran()
         self._step_runs += 1
         apply_to_grads(
@@ -833,11 +839,12 @@ class Backend:
             )
 
 
-def _forget_kept(backend: weakref.ref) -> None:
-    """A model of ``backend`` died (see :meth:`Backend._track`)."""
+def _model_died(backend: weakref.ref) -> None:
+    """A model of ``backend`` died (see :meth:`Backend._track`); this runs wherever the
+    garbage collector frees it, so it only says so."""
     alive = backend()
     if alive is not None:
-        alive._forget_kept()
+        alive._models_died = True
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

@@ -273,16 +273,15 @@ class CoverageCheck:
         if not self.transform.reduces_across_layers():
             return
         graphs = [graph for graph in registry.current() if graph.trains]
-        roots = {
-            slot.root
-            for graph in graphs
-            for slot in graph.params
-            if slot.root is not None and id(slot.tensor()) in stepped
-        }
-        if len(roots) < 2 or any(graph.roots() >= roots for graph in graphs):
+        roots: dict[int, nn.Module] = {}  # the live models whose stepped parameters some graph holds
+        for graph in graphs:
+            live = graph.roots()
+            for slot in graph.params:
+                if slot.root in live and id(slot.tensor()) in stepped:
+                    roots.setdefault(slot.root, graph.root_refs[slot.root]())
+        if len(roots) < 2 or any(graph.roots() >= roots.keys() for graph in graphs):
             return
-        live = (registry.roots[root].module() for root in roots if root in registry.roots)
-        models = sorted(type(model).__name__ for model in live if model is not None)
+        models = sorted(type(model).__name__ for model in roots.values() if model is not None)
         self.report(
             SPLIT_MODELS.format(optimizer=optimizer, count=len(roots), models=", ".join(models), t=self.transform),
             fatal=True,

@@ -118,11 +118,8 @@ class GraphRegistry:
 
     def model_name(self, graph: CapturedGraph) -> str:
         """The class name of the model ``graph``'s parameters belong to, for messages."""
-        for p in graph.params:
-            root = self.roots.get(p.root) if p.root is not None else None
-            if root is not None and root.module() is not None:
-                return type(root.module()).__name__
-        return "the model"
+        models = (graph.root_refs[key]() for key in graph.roots())
+        return next((type(model).__name__ for model in models if model is not None), "the model")
 
     def forward_order(self) -> list[str]:
         """Layer names in the order the compiled forward first used them."""

@@ -266,7 +266,8 @@ class StepScope:
         self.after(optimizer)
 
     def forget(self) -> None:
-        """Drop the kept walks: a model died (what ran on which gradients stays known)."""
+        """Drop the kept walks, a model having died (what ran on which gradients stays known;
+        ``params`` a caller walked stay valid)."""
         self._walks, self._ids = {}, ((), frozenset())
         self._seen.forget()
 
@@ -330,8 +331,10 @@ class SeenGrads:
         self._last = params, held, list(map(weakref.ref, grads)), list(map(_compat.tensor_version, grads))
 
     def forget(self) -> None:
-        """Keep the last record by parameter id, not with the parameters."""
+        """Keep the last record by parameter id, not with the parameters, and drop the records
+        of freed gradients."""
         self._merge_last()
+        self._by_id = {key: entry for key, entry in self._by_id.items() if entry[0]() is not None}
 
     def _merge_last(self) -> None:
         params, held, refs, versions = self._last

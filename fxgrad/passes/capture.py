@@ -96,6 +96,8 @@ class CapturedGraph:
     reused: dict = dataclasses.field(default_factory=dict)
     # The compiled callable Dynamo holds; dead after torch._dynamo.reset():
     compiled: weakref.ref | None = None
+    # id() -> the model, weakly, for each model its parameters belong to (ParamSlot.root)
+    root_refs: dict = dataclasses.field(default_factory=dict)
     _by_name: dict | None = dataclasses.field(default=None, repr=False)
 
     def live(self) -> bool:
@@ -104,7 +106,9 @@ class CapturedGraph:
     def current(self) -> bool:
         """Live, and not a freed model's: Dynamo keeps a graph whose parameters and their
         modules are all gone (and may run it for a new model, which binds it again), and
-        ``id()``s such as :attr:`ParamSlot.root` then name other objects."""
+        their ``id()``s then name other objects. (A graph whose model is gone but some of
+        whose parameters live on, a shared backbone's, stays current; :meth:`roots` leaves
+        the model out.)"""
         return self.live() and not (
             self.params and all(p.tensor() is None and (p.module is None or p.module() is None) for p in self.params)
         )
@@ -126,6 +130,13 @@ class CapturedGraph:
             self._by_name = {p.name: p.tensor for p in self.params}
         return [self._by_name[name]() for name in names]
 
+    def bound_to(self, inputs: Sequence) -> bool:
+        """Whether a call's ``inputs`` are the parameters the graph is bound to, by its first
+        and last (two lookups a call: a new model whose first layers are shared with the old
+        one, a backbone, differs in its last)."""
+        first, last = self.params[0], self.params[-1]
+        return inputs[first.index] is first.tensor() and inputs[last.index] is last.tensor()
+
     def rebind(self, inputs: Sequence) -> bool:
         """Follow the parameters a call passes instead of those the graph was compiled
         with; returns whether they replaced those in the same modules
@@ -144,7 +155,8 @@ class CapturedGraph:
         return {p.name for p in self.params}
 
     def roots(self) -> set[int]:
-        return {p.root for p in self.params if p.root is not None}
+        """The ids of the live models its parameters belong to (a freed one's id can be another's)."""
+        return {key for key, ref in self.root_refs.items() if ref() is not None}
 
 
 def live_root(roots: dict[int, Root], module: object) -> Root | None:
@@ -216,7 +228,10 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
         )
     compile_id, attempt = _compat.compile_id(gm)
     renamed = [roots[key].prefix for key in modules if key in trained and roots[key].renamed]
-    return CapturedGraph(compile_id, attempt, len(placeholders), params, trains=bool(trained), renamed_roots=renamed)
+    root_refs = {key: roots[key].module for key in dict.fromkeys(p.root for p in params if p.root is not None)}
+    return CapturedGraph(
+        compile_id, attempt, len(placeholders), params, trains=bool(trained), renamed_roots=renamed, root_refs=root_refs
+    )
 
 
 def graph_model(
