@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPT-2 124M in bf16 on one GPU: the side-by-side ratios of bench/run.py, each mode sized
-# to finish inside one 10-minute device call (a session has 15 minutes of device time, so
-# it runs one mode, or two on a warm machine).
+# to finish inside one 10-minute device call (a session has 15 minutes of device time: one
+# mode per session; only --fold has run, in 575 s, so the others' sizes are estimates).
 #
 #   bench/gpu.sh                 # SGD: four policies, graph and step scope, eager; kernel launches,
 #                                # cold compile -> bench/results/gpu.md
