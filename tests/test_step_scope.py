@@ -606,3 +606,35 @@ def test_a_model_collected_in_the_middle_of_a_step_leaves_the_step_alone(monkeyp
     expected(x).sum().backward()
     ref.agc(expected, 0.01)
     assert_grads_close(model, expected)
+
+
+@pytest.mark.parametrize("scope", ["step", "graph"])
+def test_a_backend_left_with_no_model_unhooks_until_it_gets_one(scope):
+    """torch._dynamo keeps a sweep's earlier backends; their optimizer-step hooks ran at every
+    step of every optimizer in the process (40 of them: 0.1-0.2 ms a step). They unhook at the
+    first step after their models die, and hook again for a new model."""
+    from fxgrad.frontend.step_check import _BEFORE
+
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
+    hooks = lambda: sum(owner in (backend._step, backend._step_check) for owner in _BEFORE.owners)  # noqa: E731
+    first = nn.Linear(16, 4)
+    torch.compile(first, backend=backend)(torch.randn(2, 16)).sum().backward()
+    torch.optim.SGD(first.parameters(), lr=0.1).step()
+    assert hooks() == 1
+    del first
+    gc.collect()
+    unrelated = nn.Linear(4, 4)
+    unrelated(torch.randn(2, 4)).sum().backward()
+    torch.optim.SGD(unrelated.parameters(), lr=0.1).step()
+    assert hooks() == 0
+    model, expected = mlp_and_copy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 16)
+    torch.compile(model, backend=backend)(x).sum().backward()
+    optimizer.step()  # step scope's policy runs here: its hook is back
+    expected(x).sum().backward()
+    ref.clip_global(expected, 0.05)
+    torch.optim.SGD(expected.parameters(), lr=0.1).step()
+    assert hooks() == 1
+    for p, q in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)

@@ -148,6 +148,7 @@ class Backend:
                 self._watched,
                 lambda: self._backwards,
                 lambda: self.current_scope() == "graph",
+                self._idle,
                 self._before_update,
             )
         self._step = None  # runs the policy on .grad in step scope
@@ -167,6 +168,7 @@ class Backend:
         self._met: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models checked by _meet
         self._tracked: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # see _track
         self._models_died = False  # ... and one of them died since
+        self._loose = False  # a graph holds parameters of no model (see _idle)
         self._loaded = False  # load_state_dict() ran, and no optimizer step has checked what it placed
         if transform is not None:
             in_step = lambda: self.current_scope() == "step"  # noqa: E731
@@ -223,6 +225,7 @@ class Backend:
         self.registry.add(graph)
         for key in graph.roots():
             self._track(self.registry.roots[key].module())
+        self._loose = self._loose or any(p.root is None for p in graph.params)
         if graph.renamed_roots and self._coverage is not None:
             self._coverage.warn(
                 f"fxgrad: a graph's outermost module shares layer names with a module this backend met "
@@ -422,12 +425,6 @@ class Backend:
         self._track(model)
         if live_root(self.registry.roots, model) is None:
             self.registry.roots[id(model)] = Root(weakref.ref(model), "")
-        if self._step_check is not None:
-            self._step_check.arm()
-        if self._step is not None and self.scope != "graph":
-            # Before any graph: in a data-parallel job step scope must run even if none ever comes
-            # (torch.compile(DDP(nn.Sequential)) leaves torch.nn's own forward eager).
-            self._step.arm()
 
     def check_policy_reaches(self, model: nn.Module) -> None:
         """Warn for each routing key, multiplier key or added skip entry that reaches no
@@ -706,12 +703,28 @@ class Backend:
             )
 
     def _track(self, model: nn.Module | None) -> None:
-        """Once ``model`` dies, drop what step scope and the update factors keep from step to
-        step (walks of the parameters, their routes) before the next step: torch._dynamo keeps
-        every backend alive, and those would keep a freed model's parameters and gradients."""
-        if model is not None and model not in self._tracked:
-            self._tracked.add(model)
-            weakref.finalize(model, _model_died, weakref.ref(self)).atexit = False
+        """A model this backend serves: hook ``optimizer.step()`` for it, and once it dies, drop
+        what step scope and the update factors keep from step to step (walks of the parameters,
+        their routes) before the next step: torch._dynamo keeps every backend alive, and those
+        would keep a freed model's parameters and gradients. The hooks of a backend left with
+        no model unhook themselves at the next optimizer step (:meth:`_idle`)."""
+        if model is None or model in self._tracked:
+            return
+        self._tracked.add(model)
+        weakref.finalize(model, _model_died, weakref.ref(self)).atexit = False
+        if self._step_check is not None:
+            self._step_check.arm()
+        if self._step is not None and self.scope != "graph":
+            # Before any graph: in a data-parallel job step scope must run even if none ever comes
+            # (torch.compile(DDP(nn.Sequential)) leaves torch.nn's own forward eager).
+            self._step.arm()
+
+    def _idle(self) -> bool:
+        """No model of this backend lives, and no graph holds parameters of no model: a sweep's
+        earlier trial, whose backend torch._dynamo keeps. Its optimizer-step hooks then remove
+        themselves rather than walk every optimizer's parameters at every step of the process;
+        :meth:`_track` arms them again for a new model."""
+        return not self._tracked and not self._loose
 
     def _drop_kept(self) -> None:
         """Where no step runs (the garbage collector can free a model in the middle of one,

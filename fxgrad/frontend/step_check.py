@@ -240,7 +240,8 @@ class StepCheck:
     ``models()`` lists the models the backend was handed or met, ``watched``
     those that ``backend.compile`` watches at each forward, ``backwards()``
     counts backward passes through the backend's graphs, ``in_graph()``
-    tells whether the policy runs in the backward graphs now, and
+    tells whether the policy runs in the backward graphs now, ``idle()`` whether the backend
+    serves no live model (the check then unhooks itself until :meth:`arm`), and
     ``before_update(optimizer)`` runs before the step of an
     optimizer that steps parameters of the backend's graphs.
     """
@@ -254,11 +255,12 @@ class StepCheck:
         watched: weakref.WeakSet,
         backwards: Callable[[], int],
         in_graph: Callable[[], bool],
+        idle: Callable[[], bool],
         before_update: Callable[[torch.optim.Optimizer], None],
     ) -> None:
         self.owner = weakref.ref(owner)
         self.registry, self.coverage, self.models, self.watched = registry, coverage, models, watched
-        self.backwards, self.in_graph, self.before_update = backwards, in_graph, before_update
+        self.backwards, self.in_graph, self.idle, self.before_update = backwards, in_graph, idle, before_update
         self._seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Seen] = weakref.WeakKeyDictionary()
         self._armed = False
         self._counting = False  # are backwards counted for some graph? (see unwatched)
@@ -276,6 +278,10 @@ class StepCheck:
         return found
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.idle():
+            remove_optimizer_hooks(self)
+            self._armed = False
+            return
         if not self.in_graph():
             return
         seen = self._seen.setdefault(optimizer, _Seen())

@@ -54,7 +54,7 @@ from fxgrad.core.layers import (
 from fxgrad.core.rule import Route, Transform
 from fxgrad.core.warn import warn
 from fxgrad.frontend.coverage import CoverageError, CoverageWarning
-from fxgrad.frontend.step_check import optimizer_pre_hook, stepped_ids
+from fxgrad.frontend.step_check import optimizer_pre_hook, remove_optimizer_hooks, stepped_ids
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.runtime.executor import run_policy
 from fxgrad.runtime.state import StateStore
@@ -234,7 +234,8 @@ class StepScope:
         self._ids: tuple[tuple, frozenset] = ((), frozenset())  # the last walk, and its parameters' ids
 
     def arm(self) -> None:
-        """Hook ``optimizer.step()`` (once; removed when this object dies)."""
+        """Hook ``optimizer.step()`` (once; removed when this object dies, or when a step finds
+        none of its models alive)."""
         if not self._armed:
             self._armed = True
             optimizer_pre_hook(self, StepScope.before_optimizer_step)
@@ -253,6 +254,10 @@ class StepScope:
         if not self.active():
             return
         models = self.models()
+        if not models:  # its models are gone (torch._dynamo keeps the backend): unhook until arm()
+            remove_optimizer_hooks(self)
+            self._armed = False
+            return
         if len(models) > 1:  # the models this optimizer steps: a GAN's generator, or its discriminator
             stepped = stepped_ids(optimizer)
             models = [pair for pair in models if any(id(p) in stepped for p in self.parameters([pair]))]
