@@ -164,8 +164,9 @@ class StepPrograms:
                 self._eager(
                     f"{limit} gradient layouts have a program already (torch._dynamo.config.recompile_limit), and "
                     "this step's is new: the set of parameters with a gradient changes from step to step "
-                    "(LayerDrop, a mixture of experts, branches). zero_grad(set_to_none=False) keeps every "
-                    "gradient from step to step, and so the layout; or raise the limit"
+                    "(LayerDrop, a mixture of experts, branches), or one backend serves models of many "
+                    "shapes (a sweep: give each trial its own backend). zero_grad(set_to_none=False) keeps "
+                    "every gradient from step to step, and so the layout; or raise the limit"
                 )
                 return None
             program = build()
