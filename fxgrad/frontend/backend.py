@@ -224,7 +224,7 @@ class Backend:
         graph = capture(gm, example_inputs, self.registry.roots)
         self.registry.add(graph)
         for key in graph.roots():
-            self._track(self.registry.roots[key].module())
+            self._track(graph.root_refs[key]())
         self._loose = self._loose or any(p.root is None for p in graph.params)
         if graph.renamed_roots and self._coverage is not None:
             self._coverage.warn(

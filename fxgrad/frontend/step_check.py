@@ -273,7 +273,7 @@ class StepCheck:
     def unwatched(self, graph: Any) -> bool:
         """Whether ``graph`` (a :class:`~fxgrad.passes.capture.CapturedGraph`) holds parameters of a
         model that ``backend.compile`` does not watch per forward: its backwards need counting."""
-        found = any(self.registry.roots[key].module() not in self.watched for key in graph.roots())
+        found = any(graph.root_refs[key]() not in self.watched for key in graph.roots())
         self._counting = self._counting or found
         return found
 
