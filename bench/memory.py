@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--scale", type=float, default=1.0, help="model size (bench/gpu.sh's CPU dry run shrinks it)")
+    parser.add_argument("--jobs", type=int, default=1, help="variants run at once (on a GPU the peaks do not interact)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     options = parser.parse_args()
     run.Variant.optimizer_name = options.optimizer
@@ -85,10 +86,15 @@ def main() -> None:
         return
     variants = [v for v in VARIANTS if v != "fold" or foldable(POLICIES[options.policy][0], options.optimizer)]
     peaks = {}
-    for variant in variants:
-        command = [sys.executable, __file__, "--variant", variant] + sys.argv[1:]
-        out = subprocess.run(command, check=True, capture_output=True, text=True)
-        peaks[variant] = float(out.stdout.strip().splitlines()[-1])
+    for start in range(0, len(variants), options.jobs):  # each variant's peak is its own process's
+        batch = variants[start : start + options.jobs]
+        command = [sys.executable, __file__] + sys.argv[1:]
+        running = {v: subprocess.Popen([*command, "--variant", v], stdout=subprocess.PIPE, text=True) for v in batch}
+        for variant, process in running.items():
+            out, _ = process.communicate()
+            if process.returncode:
+                raise SystemExit(f"variant {variant} failed with exit code {process.returncode}")
+            peaks[variant] = float(out.strip().splitlines()[-1])
     unit = "max_memory_allocated" if options.device == "cuda" else "peak RSS"
     print(f"model {options.model}, policy {options.policy}, optimizer {options.optimizer}, {unit}:")
     for variant in variants:

@@ -68,6 +68,7 @@ class Variant:
 
     autocast: torch.dtype | None = None  # set by main() for --dtype bfloat16 / float16
     optimizer_name = "sgd"  # set by main() for --optimizer
+    code_dir: str | None = None  # set by main() for --code-dir
 
     def __init__(
         self,
@@ -79,12 +80,15 @@ class Variant:
         around_step=contextlib.nullcontext,
         reference=None,
         grads=None,
+        program_settings=None,
     ):
         self.name, self.model, self.compiled = name, model, compiled
         self.after_backward, self.around_step = after_backward, around_step
         self.reference = reference  # the variant whose first-step gradients this one's must equal
         self.first_grads: list[torch.Tensor | None] | None = None
         self.grads = grads  # the gradients the update applies, if not .grad (a folded factor)
+        self.program_settings = program_settings or {}  # Inductor settings for the step program alone
+        self.counts_launches = False  # whether its first step counts the backward's kernel launches
         self.args, self.kwargs = inputs
         self.optimizer = OPTIMIZERS[self.optimizer_name](model.parameters())
         self.layers = layers_of(model)
@@ -106,23 +110,35 @@ class Variant:
     def first_step(self, count_launches: bool = False) -> tuple[float, int]:
         """Compile and run one step; return its time and, with ``count_launches``, the backward's
         kernel launches (0 without). Counting compiles the backward with torch's caches off (to
-        see its code), so a first step timed as a restart's must not count."""
+        see its code), so a first step timed as a restart's must not count. With ``code_dir``
+        the counted backward's code and the step program's are written there."""
         start = time.perf_counter()
         with self.around_step():
             loss = self.loss()
             if count_launches:  # the backward's code only
-                launches = len(LAUNCH.findall("\n".join(_compat.generated_code(loss.backward))))
+                code = _compat.generated_code(loss.backward)
+                launches = len(LAUNCH.findall("\n".join(code)))
+                self._write_code("backward", code)
             else:
                 loss.backward()
                 launches = 0
         self.after_backward(self.model, self.layers)
         # runs after scope="step"'s policy, a global optimizer pre-hook
         keep = self.optimizer.register_step_pre_hook(lambda *_: self._keep_grads())
-        self.optimizer.step()
+        with torch._inductor.config.patch(self.program_settings):  # the step program compiles here
+            if self.code_dir and ("step" in self.name or "fold" in self.name):
+                self._write_code("program", _compat.generated_code(self.optimizer.step))
+            else:
+                self.optimizer.step()
         keep.remove()
         self.optimizer.zero_grad(set_to_none=True)
         synchronize()
         return time.perf_counter() - start, launches
+
+    def _write_code(self, part: str, code: list[str]) -> None:
+        if self.code_dir and code:
+            with open(os.path.join(self.code_dir, f"{self.name.replace(' ', '_')}.{part}.py"), "w") as out:
+                out.write("\n\n# ----\n\n".join(code))
 
     def _keep_grads(self) -> None:
         applied = self.grads() if self.grads is not None else {}
@@ -155,45 +171,52 @@ def no_policy(model, layers) -> None:
     pass
 
 
-def build_variants(model_name, policies, scale, compiler, device="cpu"):
+def build_variants(model_name, policies, scale, compiler, device="cpu", twins=None):
+    """The variants of ``model_name`` for ``policies``. ``twins``, Inductor settings, adds a
+    ``+twin`` copy of the plain compiled model and of each fxgrad variant compiled with them:
+    the model's graphs in graph scope (``torch.compile``'s ``options``), the step program alone
+    in step scope."""
     torch.manual_seed(0)
     model, args, kwargs = MODELS[model_name](scale)
     model = model.to(device)
     to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
     inputs = (tuple(map(to, args)), {k: to(v) for k, v in kwargs.items()})
 
-    def compiled(m):
-        return torch.compile(m) if compiler == "inductor" else torch.compile(m, backend="aot_eager")
+    def compiled(m, options=None):
+        return torch.compile(m, options=options) if compiler == "inductor" else torch.compile(m, backend="aot_eager")
 
     copy_of = lambda: copy.deepcopy(model)  # noqa: E731
     variants = [
         Variant("compiled", (m := copy_of()), compiled(m), no_policy, inputs),
         Variant("compiled again", (m := copy_of()), compiled(m), no_policy, inputs, reference="compiled"),
     ]
+    settings = [("", None)] + ([(" +twin", twins)] if twins else [])
+    if twins:
+        variants.append(Variant("compiled +twin", (m := copy_of()), compiled(m, twins), no_policy, inputs))
     for policy in policies:
         transform, make_eager = POLICIES[policy]
         eager = make_eager()
-        m = copy_of()
-        backend = fxgrad.backend(transform, compiler=compiler)
         reference = f"eager {policy}"
-        variants.append(Variant(f"fxgrad {policy}", m, backend.compile(m), no_policy, inputs, reference=reference))
-        m = copy_of()
-        stepped = fxgrad.backend(transform, compiler=compiler, scope="step")
-        variants.append(Variant(f"fxgrad step {policy}", m, stepped.compile(m), no_policy, inputs, reference=reference))
-        for scope in ("step", "graph") if foldable(transform, Variant.optimizer_name) else ():
-            m = copy_of()
-            folded = fxgrad.backend(transform, compiler=compiler, scope=scope)
-            variant = Variant(
-                f"fxgrad fold {policy}" + (" graph" if scope == "graph" else ""),
-                m,
-                folded.compile(m),
-                no_policy,
-                inputs,
-                reference=reference,
-                grads=lambda folded=folded, m=m: folded.scaled_grads(m),
-            )
-            folded.fold(variant.optimizer)  # before the first forward: in graph scope, too
-            variants.append(variant)
+        for suffix, options in settings:
+            for scope, fold in [("graph", False), ("step", False)] + [
+                (scope, True) for scope in ("step", "graph") if foldable(transform, Variant.optimizer_name)
+            ]:
+                m = copy_of()
+                backend = fxgrad.backend(transform, compiler=compiler, scope=scope)
+                name = "fxgrad " + ("fold " if fold else "step " if scope == "step" else "") + policy
+                variant = Variant(
+                    name + (" graph" if fold and scope == "graph" else "") + suffix,
+                    m,
+                    backend.compile(m, options=options) if scope == "graph" else backend.compile(m),
+                    no_policy,
+                    inputs,
+                    reference=reference,
+                    grads=(lambda backend=backend, m=m: backend.scaled_grads(m)) if fold else None,
+                    program_settings=options if scope == "step" else None,
+                )
+                if fold:
+                    backend.fold(variant.optimizer)  # before the first forward: in graph scope, too
+                variants.append(variant)
         m = copy_of()
         variants.append(Variant(f"eager {policy}", m, compiled(m), eager, inputs))
     if "rescale" in policies:
@@ -208,6 +231,9 @@ def build_variants(model_name, policies, scale, compiler, device="cpu"):
                 lambda: under_compiled_autograd(compiler),
             )
         )
+    counted = {"compiled", *(f"fxgrad {policy}" for policy in policies)}  # the extra-kernels column
+    for variant in variants:
+        variant.counts_launches = variant.name.removesuffix(" +twin") in counted
     return variants
 
 
@@ -222,7 +248,7 @@ def measure(variants, repeats, steps):
     by_name = {v.name: v for v in variants}
     first = {}
     for v in sorted(variants, key=lambda v: v.reference is not None):  # references first
-        first[v.name] = v.first_step(count_launches=True)
+        first[v.name] = v.first_step(count_launches=v.counts_launches)
         if v.reference is not None:
             v.assert_same_gradients(by_name[v.reference])
             v.first_grads = None
@@ -276,6 +302,25 @@ def report_rows(model_name, policies, variants, first, compile_ratios):
     return rows, statistics.median(base.times), paired_ratio(by_name["compiled again"], base)
 
 
+def twin_lines(model_name, variants, first) -> list[str]:
+    """Each ``+twin`` variant's time over the plain compiled model's, over the plain compiled
+    model's own twin, and over the variant it twins; and the backward's kernel launches."""
+    by_name = {v.name: v for v in variants}
+    base, twin_base = by_name["compiled"], by_name["compiled +twin"]
+    lines = [
+        f"| {model_name}: variant | / compiled | / compiled +twin | / without the settings | backward launches |",
+        "|---|---|---|---|---|",
+    ]
+    for twin in (v for v in variants if v.name.endswith(" +twin")):
+        plain = by_name[twin.name.removesuffix(" +twin")]
+        launches = f"{first[twin.name][1]} (without: {first[plain.name][1]})" if twin.counts_launches else "-"
+        lines.append(
+            f"| {twin.name} | {paired_ratio(twin, base):.3f} | {paired_ratio(twin, twin_base):.3f} | "
+            f"{paired_ratio(twin, plain):.3f} | {launches} |"
+        )
+    return lines
+
+
 HEADER = (
     "model",
     "policy",
@@ -302,14 +347,20 @@ def markdown(rows) -> str:
 INDUCTOR_OPTIONS: list[str] = []  # --inductor-option, passed on to the fresh processes
 
 
+def inductor_setting(pair: str) -> tuple[str, object]:
+    """``NAME=VALUE`` (``VALUE`` a Python literal) as a ``torch._inductor.config`` name and value."""
+    name, equals, value = pair.partition("=")
+    if not equals:
+        raise SystemExit(f"expected NAME=VALUE, got {pair!r}")
+    return name, ast.literal_eval(value)
+
+
 def set_inductor_options(pairs: list[str]) -> None:
-    """Apply ``NAME=VALUE`` pairs (``VALUE`` a Python literal) to ``torch._inductor.config``."""
+    """Apply ``NAME=VALUE`` pairs to ``torch._inductor.config``."""
     for pair in pairs:
-        name, equals, value = pair.partition("=")
-        if not equals:
-            raise SystemExit(f"--inductor-option takes NAME=VALUE, got {pair!r}")
+        name, value = inductor_setting(pair)
         *parents, leaf = name.split(".")
-        setattr(functools.reduce(getattr, parents, torch._inductor.config), leaf, ast.literal_eval(value))
+        setattr(functools.reduce(getattr, parents, torch._inductor.config), leaf, value)
         INDUCTOR_OPTIONS.append(pair)
 
 
@@ -458,6 +509,16 @@ def main() -> None:
         "and the fresh ones (repeatable; e.g. reorder_for_peak_memory=False)",
     )
     parser.add_argument(
+        "--twin",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="add a '+twin' copy of the plain compiled model and of each fxgrad variant, compiled with "
+        "torch._inductor.config.NAME set to VALUE (the model's graphs too in graph scope, the step program "
+        "alone in step scope), and a table of them (repeatable; e.g. combo_kernels=True)",
+    )
+    parser.add_argument("--code-dir", help="write the counted backwards' and the step programs' generated code here")
+    parser.add_argument(
         "--compile-times",
         action="store_true",
         help="only cold and warm first steps of --compile-policies (fresh processes), no step timing",
@@ -469,7 +530,9 @@ def main() -> None:
     if options.dtype != "float32":
         Variant.autocast = getattr(torch, options.dtype)
     Variant.optimizer_name = options.optimizer
+    Variant.code_dir = options.code_dir
     set_inductor_options(options.inductor_option)
+    twins = dict(inductor_setting(pair) for pair in options.twin)
     if options.first_step:
         run_first_step(*options.first_step, scale, options.compiler, options.device)
         return
@@ -485,7 +548,7 @@ def main() -> None:
     torch._dynamo.config.cache_size_limit = 64
     policies = options.policies.split(",")
 
-    rows, notes = [], []
+    rows, notes, twin_table = [], [], []
     for model_name in filter(None, options.models.split(",")):  # --models "": pass time only
         _compat.reset_dynamo()
         timed = [p for p in options.compile_policies.split(",") if p.rpartition(":")[2] in policies]
@@ -501,10 +564,12 @@ def main() -> None:
                     flush=True,
                 )
             continue
-        variants = build_variants(model_name, policies, scale, options.compiler, options.device)
+        variants = build_variants(model_name, policies, scale, options.compiler, options.device, twins)
         first = measure(variants, repeats, steps)
         model_rows, base, control = report_rows(model_name, policies, variants, first, cold)
         rows += model_rows
+        if twins:
+            twin_table += ["", *twin_lines(model_name, variants, first)]
         notes.append(
             f"- {model_name}: compiled step {base * 1e3:.1f} ms; a second copy of it / compiled "
             f"{control:.3f} (the noise floor); cold first step (compile + run) "
@@ -542,6 +607,7 @@ def main() -> None:
                 else []
             ),
             *(["", markdown(rows), "", "Baselines:", *notes] if rows else []),
+            *(["", f"Twins, compiled with {', '.join(options.twin)}:", *twin_table] if twin_table else []),
             "",
             *(
                 []
