@@ -249,6 +249,7 @@ def measure(variants, repeats, steps):
     first = {}
     for v in sorted(variants, key=lambda v: v.reference is not None):  # references first
         first[v.name] = v.first_step(count_launches=v.counts_launches)
+        print(f"first step of {v.name}: {first[v.name][0]:.1f} s", file=sys.stderr, flush=True)  # a cut run's trace
         if v.reference is not None:
             v.assert_same_gradients(by_name[v.reference])
             v.first_grads = None
@@ -533,6 +534,8 @@ def main() -> None:
     Variant.code_dir = options.code_dir
     set_inductor_options(options.inductor_option)
     twins = dict(inductor_setting(pair) for pair in options.twin)
+    if twins and options.compiler != "inductor":
+        raise SystemExit("--twin sets Inductor settings: it needs --compiler inductor")
     if options.first_step:
         run_first_step(*options.first_step, scale, options.compiler, options.device)
         return
@@ -553,7 +556,7 @@ def main() -> None:
         _compat.reset_dynamo()
         timed = [p for p in options.compile_policies.split(",") if p.rpartition(":")[2] in policies]
         first_args = (scale, options.compiler, options.device, options.dtype)
-        cold = cold_compile(model_name, timed, options.compile_samples, *first_args)
+        cold = cold_compile(model_name, timed, options.compile_samples, *first_args) if timed else {}
         if options.compile_times:
             warm = warm_start(model_name, timed, options.compile_samples, *first_args)
             for policy in timed:
@@ -572,8 +575,8 @@ def main() -> None:
             twin_table += ["", *twin_lines(model_name, variants, first)]
         notes.append(
             f"- {model_name}: compiled step {base * 1e3:.1f} ms; a second copy of it / compiled "
-            f"{control:.3f} (the noise floor); cold first step (compile + run) "
-            f"{cold[None]:.1f} s without a policy"
+            f"{control:.3f} (the noise floor)"
+            + (f"; cold first step (compile + run) {cold[None]:.1f} s without a policy" if cold else "")
         )
         print(markdown(model_rows), flush=True)
     if options.compile_times:
@@ -595,8 +598,15 @@ def main() -> None:
                     f"- method: variants interleaved in one process (order shuffled each repeat), {repeats} repeats "
                     f"x {steps} steps; each ratio is the median over repeats of the two variants' times in the "
                     "same repeat; warm-up and compilation excluded",
-                    "- compile: the first step (compile + run) in a fresh process with empty Inductor caches, "
-                    f"fxgrad / plain `torch.compile`, median over {options.compile_samples} rounds of both",
+                    *(
+                        [
+                            "- compile: the first step (compile + run) in a fresh process with empty Inductor "
+                            "caches, fxgrad / plain `torch.compile`, median over "
+                            f"{options.compile_samples} rounds of both"
+                        ]
+                        if options.compile_policies
+                        else []
+                    ),
                     "- ratios < 1 mean faster; `extra kernels` counts kernel launches fxgrad adds "
                     "to the compiled backward (negative: Inductor fused more)",
                     "- `module hooks / compiled` (rescale rows): the rescaling article's `register_full_backward_hook` "
