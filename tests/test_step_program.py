@@ -151,6 +151,28 @@ def test_a_gradient_whose_strides_change_gets_a_program_of_its_own(builds):
     assert builds[0] == 2
 
 
+@pytest.mark.inductor
+def test_the_program_is_compiled_with_combo_kernels(monkeypatch):
+    """On a GPU the program's per-gradient norms and scales launch eight to a kernel
+    (docs/performance.md, "On a GPU"); the setting holds for its compile alone."""
+    import torch._inductor.compile_fx as compile_fx
+    import torch._inductor.config as inductor_config
+
+    settings, inner = [], compile_fx.compile_fx_inner
+
+    def spy(*args, **kwargs):
+        settings.append(inductor_config.combo_kernels)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="inductor", scope="step")
+    model = nn.Linear(8, 4)
+    model.weight.grad, model.bias.grad = torch.randn(4, 8), torch.randn(4)
+    backend.step(model)
+    assert settings == [True]
+    assert not inductor_config.combo_kernels
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class HalveWithAConstant(ScaleLeaf):
     """Halves every gradient through a tensor constant, which a recorded graph cannot hold."""
