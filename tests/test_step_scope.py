@@ -464,18 +464,20 @@ def test_weights_stepped_beside_the_model_are_warned_about_not_refused(scope):
             assert len(told) == (1 if says and step == 0 else 0)
 
 
-def test_a_module_compiled_with_another_policy_is_reported_once():
+@pytest.mark.parametrize("scope, when", [("graph", "in the backward"), ("step", "at the optimizer step")])
+def test_a_module_compiled_with_another_policy_is_reported_once(scope, when):
     """A Lightning module compiling its network with fxgrad.backend(policy), and the callback given
-    the policy too: the gradients would go through both."""
+    the policy too: the gradients would go through both; the warning says where the first runs."""
     policy = fxgrad.clip_by_global_norm(0.1)
     outer = nn.Module()
     outer.net = torch.compile(
         nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)),
-        backend=fxgrad.backend(policy, compiler="aot_eager"),
+        backend=fxgrad.backend(policy, compiler="aot_eager", scope=scope),
     )
     at_step = fxgrad.backend(policy, compiler="aot_eager", scope="step")
     outer.net(torch.randn(4, 8)).sum().backward()
-    with pytest.warns(fxgrad.CoverageWarning, match=r"Module\.net is compiled with another fxgrad backend") as caught:
+    told = rf"Module\.net is compiled with another fxgrad backend, whose policy transforms its gradients {when}"
+    with pytest.warns(fxgrad.CoverageWarning, match=told) as caught:
         at_step.transform_grads(outer)
         at_step.transform_grads(outer)
         at_step.step(outer)

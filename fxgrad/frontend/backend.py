@@ -691,12 +691,14 @@ class Backend:
         if self.current_scope() == "graph":
             refuse_fsdp2_in_graph_scope(model)
         self.check_policy_reaches(model)
-        name = policed_elsewhere(model, self) if at_step else None
-        if name is not None:
+        elsewhere = policed_elsewhere(model, self) if at_step else None
+        if elsewhere is not None:
+            name, other = elsewhere
             where = type(model).__name__ + (f".{_compat.module_path(name)}" if name else "")
+            when = "in the backward" if other.current_scope() == "graph" else "at the optimizer step (step scope)"
             warn(
                 f"fxgrad: {where} is compiled with another fxgrad backend, whose policy transforms its gradients "
-                f"in the backward already, and this backend's {self.transform!r} runs on them again at the step: "
+                f"{when} already, and this backend's {self.transform!r} runs on them again at the step: "
                 "two policies, one after the other. Give the policy to one of them (compile with plain "
                 "torch.compile when a callback or backend.step() holds it).",
                 CoverageWarning,

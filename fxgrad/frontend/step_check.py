@@ -116,12 +116,12 @@ def superseded(model: nn.Module, owner: Any) -> bool:
     return newest is not None and newest is not owner
 
 
-def policed_elsewhere(model: nn.Module, owner: Any) -> str | None:
+def policed_elsewhere(model: nn.Module, owner: Any) -> tuple[str, Any] | None:
     """The name of a module of ``model`` (``""``: itself) that another live backend with a policy
-    compiled last, or ``None``: its gradients go through that policy already."""
+    compiled last, and that backend; or ``None``: its gradients go through that policy already."""
     for name, module in model.named_modules():
         if superseded(module, owner) and _newest(module).transform is not None:
-            return name
+            return name, _newest(module)
     return None
 
 
