@@ -11,7 +11,9 @@
 #   bench/gpu.sh --combo         # fused AdamW, global clip: every variant beside a twin compiled with
 #                                # Inductor's combo kernels (independent kernels launched as one; the
 #                                # step program alone in step scope) -> bench/results/gpu_combo.md;
-#                                # CODE_DIR=dir keeps the generated code there
+#                                # CODE_DIR=dir keeps the generated code there. The step program now
+#                                # compiles with them by default, so its step-scope rows, twin or not,
+#                                # time the library's default (390 s on an H200, --memory beside it)
 #   bench/gpu.sh --memory        # peak max_memory_allocated per variant, a process each, all at once
 #                                # (bench/memory.py) -> bench/results/gpu_memory.txt
 #   bench/gpu.sh --device cpu [--fold|--memory]   # dry run: a shrunken GPT-2 on the CPU
