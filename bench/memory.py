@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="variants run at once (on a GPU the peaks do not interact)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if options.jobs < 1:
+        parser.error("--jobs must be at least 1")
     run.Variant.optimizer_name = options.optimizer
     if options.variant:
         print(peak(options.model, options.policy, options.variant, options.device, options.steps, options.scale))
@@ -90,11 +92,15 @@ def main() -> None:
         batch = variants[start : start + options.jobs]
         command = [sys.executable, __file__] + sys.argv[1:]
         running = {v: subprocess.Popen([*command, "--variant", v], stdout=subprocess.PIPE, text=True) for v in batch}
-        for variant, process in running.items():
-            out, _ = process.communicate()
-            if process.returncode:
-                raise SystemExit(f"variant {variant} failed with exit code {process.returncode}")
-            peaks[variant] = float(out.strip().splitlines()[-1])
+        try:
+            for variant, process in running.items():
+                out, _ = process.communicate()
+                if process.returncode:
+                    raise SystemExit(f"variant {variant} failed with exit code {process.returncode}")
+                peaks[variant] = float(out.strip().splitlines()[-1])
+        finally:
+            for process in running.values():
+                process.kill()  # the others of a failed batch (a no-op on a finished process)
     unit = "max_memory_allocated" if options.device == "cuda" else "peak RSS"
     print(f"model {options.model}, policy {options.policy}, optimizer {options.optimizer}, {unit}:")
     for variant in variants:

@@ -81,6 +81,7 @@ class Variant:
         reference=None,
         grads=None,
         program_settings=None,
+        has_program=False,
     ):
         self.name, self.model, self.compiled = name, model, compiled
         self.after_backward, self.around_step = after_backward, around_step
@@ -88,6 +89,8 @@ class Variant:
         self.first_grads: list[torch.Tensor | None] | None = None
         self.grads = grads  # the gradients the update applies, if not .grad (a folded factor)
         self.program_settings = program_settings or {}  # Inductor settings for the step program alone
+        self.has_program = has_program  # whether its first update compiles a step program
+        self.program_launches = 0  # the step program's kernel launches (0: none)
         self.counts_launches = False  # whether its first step counts the backward's kernel launches
         self.args, self.kwargs = inputs
         self.optimizer = OPTIMIZERS[self.optimizer_name](model.parameters())
@@ -110,8 +113,9 @@ class Variant:
     def first_step(self, count_launches: bool = False) -> tuple[float, int]:
         """Compile and run one step; return its time and, with ``count_launches``, the backward's
         kernel launches (0 without). Counting compiles the backward with torch's caches off (to
-        see its code), so a first step timed as a restart's must not count. With ``code_dir``
-        the counted backward's code and the step program's are written there."""
+        see its code), so a first step timed as a restart's must not count. A step program's
+        launches are always counted (:attr:`program_launches`). With ``code_dir`` the counted
+        backward's code and the step program's are written there."""
         start = time.perf_counter()
         with self.around_step():
             loss = self.loss()
@@ -126,8 +130,10 @@ class Variant:
         # runs after scope="step"'s policy, a global optimizer pre-hook
         keep = self.optimizer.register_step_pre_hook(lambda *_: self._keep_grads())
         with torch._inductor.config.patch(self.program_settings):  # the step program compiles here
-            if self.code_dir and ("step" in self.name or "fold" in self.name):
-                self._write_code("program", _compat.generated_code(self.optimizer.step))
+            if self.has_program:
+                code = _compat.generated_code(self.optimizer.step)
+                self.program_launches = len(LAUNCH.findall("\n".join(code)))
+                self._write_code("program", code)
             else:
                 self.optimizer.step()
         keep.remove()
@@ -213,6 +219,7 @@ def build_variants(model_name, policies, scale, compiler, device="cpu", twins=No
                     reference=reference,
                     grads=(lambda backend=backend, m=m: backend.scaled_grads(m)) if fold else None,
                     program_settings=options if scope == "step" else None,
+                    has_program=scope == "step",
                 )
                 if fold:
                     backend.fold(variant.optimizer)  # before the first forward: in graph scope, too
@@ -305,16 +312,22 @@ def report_rows(model_name, policies, variants, first, compile_ratios):
 
 def twin_lines(model_name, variants, first) -> list[str]:
     """Each ``+twin`` variant's time over the plain compiled model's, over the plain compiled
-    model's own twin, and over the variant it twins; and the backward's kernel launches."""
+    model's own twin, and over the variant it twins; and the kernel launches of its backward
+    or of its step program."""
     by_name = {v.name: v for v in variants}
     base, twin_base = by_name["compiled"], by_name["compiled +twin"]
     lines = [
-        f"| {model_name}: variant | / compiled | / compiled +twin | / without the settings | backward launches |",
+        f"| {model_name}: variant | / compiled | / compiled +twin | / without the settings | launches |",
         "|---|---|---|---|---|",
     ]
     for twin in (v for v in variants if v.name.endswith(" +twin")):
         plain = by_name[twin.name.removesuffix(" +twin")]
-        launches = f"{first[twin.name][1]} (without: {first[plain.name][1]})" if twin.counts_launches else "-"
+        if twin.counts_launches:
+            launches = f"backward {first[twin.name][1]} (without: {first[plain.name][1]})"
+        elif twin.has_program:
+            launches = f"step program {twin.program_launches} (without: {plain.program_launches})"
+        else:
+            launches = "-"
         lines.append(
             f"| {twin.name} | {paired_ratio(twin, base):.3f} | {paired_ratio(twin, twin_base):.3f} | "
             f"{paired_ratio(twin, plain):.3f} | {launches} |"
@@ -532,6 +545,8 @@ def main() -> None:
         Variant.autocast = getattr(torch, options.dtype)
     Variant.optimizer_name = options.optimizer
     Variant.code_dir = options.code_dir
+    if options.code_dir:
+        os.makedirs(options.code_dir, exist_ok=True)
     set_inductor_options(options.inductor_option)
     twins = dict(inductor_setting(pair) for pair in options.twin)
     if twins and options.compiler != "inductor":
@@ -552,13 +567,13 @@ def main() -> None:
     policies = options.policies.split(",")
 
     rows, notes, twin_table = [], [], []
+    timed = [p for p in options.compile_policies.split(",") if p.rpartition(":")[2] in policies]
     for model_name in filter(None, options.models.split(",")):  # --models "": pass time only
         _compat.reset_dynamo()
-        timed = [p for p in options.compile_policies.split(",") if p.rpartition(":")[2] in policies]
         first_args = (scale, options.compiler, options.device, options.dtype)
         cold = cold_compile(model_name, timed, options.compile_samples, *first_args) if timed else {}
         if options.compile_times:
-            warm = warm_start(model_name, timed, options.compile_samples, *first_args)
+            warm = warm_start(model_name, timed, options.compile_samples, *first_args) if timed else {}
             for policy in timed:
                 print(
                     f"{model_name} {policy}: first step / plain torch.compile's, median of "
@@ -604,7 +619,7 @@ def main() -> None:
                             "caches, fxgrad / plain `torch.compile`, median over "
                             f"{options.compile_samples} rounds of both"
                         ]
-                        if options.compile_policies
+                        if timed
                         else []
                     ),
                     "- ratios < 1 mean faster; `extra kernels` counts kernel launches fxgrad adds "
