@@ -80,6 +80,7 @@ __all__ = [
     "generated_code",
     "inductor_compile",
     "inductor_compile_program",
+    "program_settings",
     "inductor_decompositions",
     "reset_dynamo",
     "source_chain",
@@ -274,21 +275,35 @@ def inductor_compile_program(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     input's size and strides on every call (a tenth of a 98-gradient program's time on
     the CPU): the caller runs a program only on the layout it was built for.
 
-    On a GPU the program's kernels are independent per gradient (a norm each, then a scale
-    each), so it is compiled with Inductor's combo kernels, which launch up to eight such
-    kernels as one: GPT-2 124M's global clip went from 287 launches to 42, and step scope
-    from 1.20 to 1.11 of the step without a policy (H200, bench/results/gpu_combo.md). The
-    C++ backend ignores the setting.
+    Inductor's settings for it: :func:`program_settings`.
     """
     fakes = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
-    # On the CPU, one OpenMP region per small gradient costs more than its reduction: the
-    # deep MLP's 98-gradient program took 1.7x as long as with each thread given 4096 elements.
-    chunk = max(_inductor_config.cpp.min_chunk_size, 4096)
-    settings = {"size_asserts": False, "cpp.min_chunk_size": chunk, "combo_kernels": True}
+    devices = {fake.device.type for fake in fakes}
     with torch._guards.tracing(torch._guards.TracingContext(detect_fake_mode(fakes))):
-        with _inductor_config.patch(settings):
+        with _inductor_config.patch(program_settings(devices)):
             compiled = _compile_fx.compile_fx_inner(gm, fakes)
     return lambda *args: compiled(list(args))
+
+
+def program_settings(devices: set[str]) -> dict[str, Any]:
+    """The Inductor settings a step program over gradients on ``devices`` compiles with.
+
+    On the CPU, one OpenMP region per small gradient costs more than its reduction: the deep
+    MLP's 98-gradient program took 1.7x as long as with each thread given 4096 elements. On a
+    GPU the program's kernels are independent per gradient (a norm each, then a scale each),
+    and Inductor's combo kernels launch up to eight of them as one: GPT-2 124M's global clip
+    went from 287 launches to 42, and step scope from 1.20 to 1.11 of the step without a
+    policy (H200, docs/performance.md, "On a GPU"). The C++ backend leaves CPU kernels out
+    of combo kernels, but torch 2.13 would still estimate their peak memory: the CPU's
+    programs compile without them.
+    """
+    settings: dict[str, Any] = {
+        "size_asserts": False,
+        "cpp.min_chunk_size": max(_inductor_config.cpp.min_chunk_size, 4096),
+    }
+    if devices - {"cpu"}:
+        settings["combo_kernels"] = True
+    return settings
 
 
 def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
@@ -678,10 +693,34 @@ def inductor_kernel_origins(on_module: Callable[[GeneratedModule], None]) -> Ite
         if outer is not None:
             outer(code)
 
+    import torch._inductor.codegen.triton as triton_codegen
+
     patches = {"trace.provenance_tracking_level": 2, "fx_graph_cache": False}
+    record = triton_codegen.set_kernel_post_grad_provenance_tracing
     with (
         inductor_config.patch(patches),
         inductor_debug.reset_provenance_globals(),
         mock.patch.object(GraphLowering, "save_output_code", save),
+        mock.patch.object(triton_codegen, "set_kernel_post_grad_provenance_tracing", fused_parts_recorded(record)),
     ):
         yield
+
+
+def fused_parts_recorded(record: Callable[..., Any]) -> Callable[..., Any]:
+    """``record`` (torch's provenance recorder for a Triton kernel) given the parts of fused
+    scheduler nodes. torch records each scheduler node's own IR node, and a fused one has
+    none: a combo kernel's sub-kernels that Inductor had fused first (a gradient's scale fused
+    with the factor's math) went unrecorded, and their nodes looked as if no kernel held them
+    (seen on an H200 under torch 2.11, bench/results/gpu_kernels.txt; torch 2.13 records the
+    same way). Other kernels' schedules hold unfused nodes already and pass unchanged."""
+
+    def recorded(node_schedule: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(node_schedule, list):
+            node_schedule = [
+                part
+                for node in node_schedule
+                for part in (node.get_nodes() if getattr(node, "node", False) is None else (node,))
+            ]
+        return record(node_schedule, *args, **kwargs)
+
+    return recorded

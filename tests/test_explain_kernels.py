@@ -156,3 +156,39 @@ def test_step_scope_reports_the_step_program():
     assert scaling.fxgrad and all(name.startswith("fxgrad_") for name in scaling.fxgrad)
     assert [n.partition("_")[0] for n in scaling.model] == ["copy"] * 4  # the writes into .grad
     assert [p.grad for p in model.parameters()] == grads  # put back
+
+
+def test_a_combo_kernel_is_given_the_nodes_of_its_fused_parts():
+    """A combo kernel's sub-kernel that Inductor fused first is a scheduler node without an IR
+    node of its own, which torch's provenance recorder skips (on a GPU its nodes were reported
+    as in no kernel); fxgrad hands the recorder its parts. Stand-in scheduler nodes: the
+    combo kernels themselves need a GPU."""
+    import types
+
+    import torch._inductor.config as inductor_config
+    import torch._inductor.debug as inductor_debug
+
+    from fxgrad import _compat
+
+    class Part:  # a scheduler node: its IR node, whose origins are FX nodes
+        def __init__(self, name):
+            origin = types.SimpleNamespace(name=name)
+            self.node = types.SimpleNamespace(origins=[origin], get_stack_traces=lambda: [])
+
+    class Fused:  # a fused scheduler node: no IR node, its parts
+        node = None
+
+        def __init__(self, *parts):
+            self.parts = list(parts)
+
+        def get_nodes(self):
+            return self.parts
+
+    def recorded(recorder):
+        with inductor_config.patch({"trace.provenance_tracking_level": 2}), inductor_debug.reset_provenance_globals():
+            handle = recorder([Fused(Part("fxgrad_mul_12"), Part("fxgrad_mul_14")), Part("fxgrad_mul_11")], "k")
+            return inductor_debug._inductor_triton_kernel_to_post_grad_node_info.get(f"k:{handle}", [])
+
+    record = inductor_debug.set_kernel_post_grad_provenance_tracing
+    assert recorded(record) == ["fxgrad_mul_11"]  # torch's own: the fused parts are lost
+    assert recorded(_compat.fused_parts_recorded(record)) == ["fxgrad_mul_12", "fxgrad_mul_14", "fxgrad_mul_11"]

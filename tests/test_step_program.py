@@ -151,17 +151,23 @@ def test_a_gradient_whose_strides_change_gets_a_program_of_its_own(builds):
     assert builds[0] == 2
 
 
-@pytest.mark.inductor
-def test_the_program_is_compiled_with_combo_kernels(monkeypatch):
+def test_a_gpu_program_is_compiled_with_combo_kernels():
     """On a GPU the program's per-gradient norms and scales launch eight to a kernel
-    (docs/performance.md, "On a GPU"); the setting holds for its compile alone."""
+    (docs/performance.md, "On a GPU"); the CPU's C++ kernels take no part in combo kernels."""
+    assert _compat.program_settings({"cuda"})["combo_kernels"] is True
+    assert "combo_kernels" not in _compat.program_settings({"cpu"})
+
+
+@pytest.mark.inductor
+def test_the_program_compiles_with_its_settings_alone(monkeypatch):
+    """The program's settings hold for its compile, and the user's stay as they were."""
     import torch._inductor.compile_fx as compile_fx
     import torch._inductor.config as inductor_config
 
-    settings, inner = [], compile_fx.compile_fx_inner
+    seen, inner = [], compile_fx.compile_fx_inner
 
     def spy(*args, **kwargs):
-        settings.append(inductor_config.combo_kernels)
+        seen.append((inductor_config.size_asserts, inductor_config.cpp.min_chunk_size))
         return inner(*args, **kwargs)
 
     monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
@@ -169,8 +175,8 @@ def test_the_program_is_compiled_with_combo_kernels(monkeypatch):
     model = nn.Linear(8, 4)
     model.weight.grad, model.bias.grad = torch.randn(4, 8), torch.randn(4)
     backend.step(model)
-    assert settings == [True]
-    assert not inductor_config.combo_kernels
+    assert seen == [(False, 4096)]
+    assert inductor_config.size_asserts and inductor_config.cpp.min_chunk_size != 4096
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
