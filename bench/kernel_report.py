@@ -5,7 +5,7 @@ On a GPU this shows what the CPU cannot: whether the norms of the gradients that
 (cuBLAS) write run as kernels of their own, and how the step program's per-gradient
 kernels are grouped into combo kernels.
 
-    python bench/kernels.py --device cuda
+    python bench/kernel_report.py --device cuda
 """
 
 from __future__ import annotations
