@@ -37,6 +37,16 @@ def test_bench_quick_smoke():
     assert "| deep_mlp | rescale |" in out.stdout
 
 
+def test_no_bench_module_hides_an_installed_package():
+    """bench/'s scripts put bench/ first on sys.path, so a file named like an installed
+    package hides it: a bench/kernels.py broke transformers' import of ``kernels``. (Asked of
+    a fresh interpreter: the test run's path holds tests/, with a models.py of its own.)"""
+    names = sorted(f.removesuffix(".py") for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py"))
+    code = f"import importlib.util; print([n for n in {names!r} if importlib.util.find_spec(n)])"
+    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "[]"
+
+
 def test_ddp_bench_reports_the_ratios_of_the_variants_that_ran():
     """DDP has no "exact eager" and FSDP2 no "local": a ratio over a missing variant once
     crashed bench/ddp.py after the timing. (A subprocess, as below: bench/ has its own modules.)"""
