@@ -63,6 +63,11 @@ from fxgrad import _compat  # noqa: E402
 LAUNCH = re.compile(r"^\s+(cpp_fused_\w+|triton_\w+(?:\.run)?|extern_kernels\.\w+)\(", re.MULTILINE)
 
 
+def launches(code: list[str]) -> int:
+    """The kernel launches in Inductor's generated modules ``code``."""
+    return len(LAUNCH.findall("\n".join(code)))
+
+
 class Variant:
     """One way of training one model copy."""
 
@@ -111,35 +116,35 @@ class Variant:
         synchronize()
 
     def first_step(self, count_launches: bool = False) -> tuple[float, int]:
-        """Compile and run one step; return its time and, with ``count_launches``, the backward's
-        kernel launches (0 without). Counting compiles the backward with torch's caches off (to
-        see its code), so a first step timed as a restart's must not count. A step program's
-        launches are always counted (:attr:`program_launches`). With ``code_dir`` the counted
-        backward's code and the step program's are written there."""
+        """Compile and run one step; return its time and, with ``count_launches``, the launches
+        the tables report: the backward's if :attr:`counts_launches` (returned; else 0), the
+        step program's if :attr:`has_program` (:attr:`program_launches`). Counting compiles
+        with torch's caches off (to see the code), so a first step timed as a restart's must not
+        count. With ``code_dir`` the counted code is written there."""
         start = time.perf_counter()
         with self.around_step():
             loss = self.loss()
-            if count_launches:  # the backward's code only
+            if count_launches and self.counts_launches:  # the backward's code only
                 code = _compat.generated_code(loss.backward)
-                launches = len(LAUNCH.findall("\n".join(code)))
+                backward_launches = launches(code)
                 self._write_code("backward", code)
             else:
                 loss.backward()
-                launches = 0
+                backward_launches = 0
         self.after_backward(self.model, self.layers)
         # runs after scope="step"'s policy, a global optimizer pre-hook
         keep = self.optimizer.register_step_pre_hook(lambda *_: self._keep_grads())
         with torch._inductor.config.patch(self.program_settings):  # the step program compiles here
-            if self.has_program:
+            if count_launches and self.has_program:
                 code = _compat.generated_code(self.optimizer.step)
-                self.program_launches = len(LAUNCH.findall("\n".join(code)))
+                self.program_launches = launches(code)
                 self._write_code("program", code)
             else:
                 self.optimizer.step()
         keep.remove()
         self.optimizer.zero_grad(set_to_none=True)
         synchronize()
-        return time.perf_counter() - start, launches
+        return time.perf_counter() - start, backward_launches
 
     def _write_code(self, part: str, code: list[str]) -> None:
         if self.code_dir and code:
@@ -255,7 +260,7 @@ def measure(variants, repeats, steps):
     by_name = {v.name: v for v in variants}
     first = {}
     for v in sorted(variants, key=lambda v: v.reference is not None):  # references first
-        first[v.name] = v.first_step(count_launches=v.counts_launches)
+        first[v.name] = v.first_step(count_launches=True)
         print(f"first step of {v.name}: {first[v.name][0]:.1f} s", file=sys.stderr, flush=True)  # a cut run's trace
         if v.reference is not None:
             v.assert_same_gradients(by_name[v.reference])
