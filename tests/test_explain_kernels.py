@@ -139,7 +139,8 @@ cpp_fused_sum_view_4                               4  fxgrad_add, fxgrad_add_1, 
 
 def test_step_scope_reports_the_step_program():
     """In step scope the backward is left alone; explain runs the compiled step program once on
-    this backward's gradients. Inductor lowers the program as recorded: its nodes keep their names."""
+    this backward's gradients. Inductor lowers the program as recorded: its nodes keep their names.
+    The statistics are an input of the program, written in the kernel that computes them."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     grads = [p.grad for p in model.parameters()]
@@ -149,12 +150,11 @@ def test_step_scope_reports_the_step_program():
     assert backward.program == "backward graph 0"
     assert not any(k.fxgrad for k in backward.kernels)
     assert program.program == "step program"
-    (save,) = program.holding("fxgrad_save_state")
-    assert not save.generated
-    scaling = program.kernels[-1]
-    assert scaling.labels[-1] == "scale gradients"
-    assert scaling.fxgrad and all(name.startswith("fxgrad_") for name in scaling.fxgrad)
-    assert [n.partition("_")[0] for n in scaling.model] == ["copy"] * 4  # the writes into .grad
+    (kernel,) = program.kernels  # the norms, the scale and the statistics, in one
+    assert kernel.generated and "fxgrad_save_state" in kernel.fxgrad
+    assert kernel.labels[-2:] == ("scale gradients", "statistics")
+    assert all(name.startswith("fxgrad_") for name in kernel.fxgrad)
+    assert [n.partition("_")[0] for n in kernel.model] == ["copy"] * 4  # the writes into .grad
     assert [p.grad for p in model.parameters()] == grads  # put back
 
 

@@ -107,6 +107,39 @@ def test_one_program_per_layout(builds):
     assert builds[0] == 2  # a's gradients, then b's: two layouts, each built once
 
 
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_a_program_follows_the_state_buffer_as_other_layouts_grow_it(compiler, builds, monkeypatch):
+    """A program reads and writes its state through views of the store's buffer; the next layout's
+    layers grow the buffer (a new tensor), and the first program must then use the new one."""
+    policy = fxgrad.chain(fxgrad.monitor(), fxgrad.zclip(warmup=2), fxgrad.autoclip(history=3))
+    torch.manual_seed(0)
+    model = Branchy()
+    eager_model = copy.deepcopy(model)
+    eager = fxgrad.backend(policy, compiler=compiler, scope="step")
+    monkeypatch.setattr(eager._programs, "run", lambda *args: False)  # the rules one op at a time
+    backend = fxgrad.backend(policy, compiler=compiler, scope="step")
+    for step in range(8):
+        for b, m in ((backend, model), (eager, eager_model)):
+            torch.manual_seed(step)
+            models.loss_of(m(torch.randn(2, 8) * (20.0 if step == 5 else 1.0), use_b=step % 2 == 1)).backward()
+            b.step(m)
+        for got, want in zip(model.parameters(), eager_model.parameters()):
+            assert (got.grad is None) == (want.grad is None)
+            if got.grad is not None:
+                torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-8)
+        model.zero_grad(set_to_none=True)
+        eager_model.zero_grad(set_to_none=True)
+    assert builds[0] == 2
+    state, expected = backend.state_dict(), eager.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-8)
+    stats, expected = backend.stats(), eager.stats()
+    assert stats.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(stats[key], value, rtol=1e-5, atol=1e-8)
+
+
 class Experts(nn.Module):
     """One expert of three per step, as a mixture of experts routes a batch."""
 

@@ -5,8 +5,9 @@ graph whose inputs are the gradients and which writes each result back into
 its input (``aten.copy_``); Inductor compiles it. A program is built once per
 *layout* (the names of the parameters with a gradient, their gradients' shapes,
 strides, dtypes and devices, and the routes over their layers) and reused: state,
-thresholds and the loss scale are device tensors that custom ops read and
-write, so nothing recompiles when they change, and nothing syncs. Like Dynamo's
+thresholds and the loss scale are device tensors (the state, views of the store's
+buffer passed as inputs after the gradients and written like them; the loss scale,
+read by a custom op), so nothing recompiles when they change, and nothing syncs. Like Dynamo's
 frames, at most ``torch._dynamo.config.recompile_limit`` layouts (8 by default) get
 a program; a step with another layout runs the rules eagerly, after one warning::
 
@@ -47,7 +48,7 @@ from fxgrad.frontend.rewrite import record_policy
 from fxgrad.passes.graphtext import render_inserted
 from fxgrad.passes.record import gc_paused
 from fxgrad.runtime import norm_math
-from fxgrad.runtime.state import StateStore, group_label
+from fxgrad.runtime.state import Group, StateStore, group_label, viewed_group
 
 OWNER_GRAD = operator.attrgetter("tensor.grad")  # a C getter, see fxgrad.core.layers.GRAD
 
@@ -222,12 +223,20 @@ class StepPrograms:
                 for node, result in zip(nodes, new[layer]):
                     if result is not node:
                         gm.graph.call_function(torch.ops.aten.copy_.default, (node, result))
+        groups, saved = _state_as_inputs(gm.graph)
         # Before Inductor too: its FX graph cache key reads the code of the last recompile
         # (GraphModule.__reduce__ copies its state before generating the code again).
         gm.recompile()
-        if self.compiler == "inductor":
-            return _compat.inductor_compile_program(gm)
-        return gm
+        compiled = _compat.inductor_compile_program(gm) if self.compiler == "inductor" else gm
+        if not groups:
+            return compiled
+
+        def program(*grads: torch.Tensor) -> None:
+            compiled(*grads, *[group.view() for group in groups])
+            for group in saved:
+                group.saved()
+
+        return program
 
 
 def _shard_group(grads: Sequence[torch.Tensor], routes: Sequence[tuple[int, Route]]) -> tuple[str | None, str]:
@@ -261,6 +270,54 @@ def _gradient_graph(
         inputs.setdefault(owner.layer, []).append(node)
     graph.output(())
     return torch.fx.GraphModule(nn.Module(), graph), inputs
+
+
+def _state_as_inputs(graph: torch.fx.Graph) -> tuple[list[Group], list[Group]]:
+    """Give the program the state it loads and saves as inputs, views of the store's buffer
+    (:meth:`~fxgrad.runtime.state.Group.view`) after the gradients, and write them by
+    ``copy_`` at its end as it writes the gradients, instead of calling ``fxgrad::load_state``
+    and ``save_state``. Each call cost 30-45 us of the deep MLP's step on the CPU (a Python
+    kernel through the dispatcher, a slice, a copy), and Inductor split its kernels around it.
+    Groups spread over the buffer, external ones (read from other tensors) and any loaded after
+    a save (which must read the saved values) stay calls.
+
+    Returns the groups in the order of the new inputs, and those saved: the caller passes
+    their views and then tells the saved ones (:meth:`~fxgrad.runtime.state.Group.saved`)."""
+    load, save = torch.ops.fxgrad.load_state.default, torch.ops.fxgrad.save_state.default
+    nodes = [node for node in graph.nodes if node.op == "call_function" and node.target in (load, save)]
+    written, reread = set(), set()
+    for node in nodes:
+        if node.target is save:
+            written.add(node.args[0])
+        elif node.args[0] in written:
+            reread.add(node.args[0])
+    groups = {
+        name: group
+        for name in dict.fromkeys(n.args[0] for n in nodes)
+        if name not in reread and (group := viewed_group(name))
+    }
+    if not groups:
+        return [], []
+    fake_mode = graph.find_nodes(op="placeholder")[0].meta["val"].fake_mode
+    first = next(node for node in graph.nodes if node.op != "placeholder")
+    placeholders = {}
+    with graph.inserting_before(first):
+        for name, group in groups.items():
+            placeholders[name] = graph.placeholder(f"state_{name}")
+            placeholders[name].meta["val"] = fake_mode.from_tensor(group.view())
+    saved = []
+    for node in nodes:
+        name = node.args[0]
+        if name not in groups:
+            continue
+        if node.target is load:
+            node.replace_all_uses_with(placeholders[name])
+            graph.erase_node(node)
+        else:  # the save becomes the write, keeping its name and labels (explain's kernel report)
+            node.target, node.args = torch.ops.aten.copy_.default, (placeholders[name], node.args[1])
+            graph.output_node().prepend(node)
+            saved.append(groups[name])
+    return list(groups.values()), saved
 
 
 def _layout(grads: Sequence[torch.Tensor]) -> tuple:

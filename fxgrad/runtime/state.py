@@ -132,18 +132,35 @@ class Group:
         if not contiguous:
             with _compat.outside_dispatch_modes():
                 self._index = torch.tensor(positions, dtype=torch.long, device=slots.device)
+        self._view: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # the buffer, and the view of it
         _GROUPS[self.name] = self
+
+    def view(self) -> torch.Tensor | None:
+        """The entries, as one live view of the buffer (flat, in order); ``None`` when they are
+        spread over it. Made again only when the buffer grew (a slice costs 2-18 us)."""
+        if self._index is not None:
+            return None
+        buffer, view = self._view
+        if buffer is not self.slots.buffer:
+            buffer = self.slots.buffer
+            view = buffer[self._range[0] : self._range[1]]
+            self._view = buffer, view
+        return view
 
     def load(self) -> torch.Tensor:
         if self._index is not None:
             return self.slots.buffer.index_select(0, self._index)
-        return self.slots.buffer[self._range[0] : self._range[1]].clone()
+        return self.view().clone()
 
     def save(self, value: torch.Tensor) -> None:
         if self._index is not None:
             self.slots.buffer.index_copy_(0, self._index, value)
         else:
-            self.slots.buffer[self._range[0] : self._range[1]].copy_(value)
+            self.view().copy_(value)
+        self.saved()
+
+    def saved(self) -> None:
+        """The entries were written (a step program writes them through :meth:`view`)."""
         if self._on_save is not None:
             self._on_save(self)
 
@@ -327,6 +344,13 @@ def groups_named(graph: torch.fx.Graph) -> frozenset[str]:
     """The names of the groups ``graph``'s nodes load or save."""
     ops = (torch.ops.fxgrad.load_state.default, torch.ops.fxgrad.save_state.default)
     return frozenset(node.args[0] for op in ops for node in graph.find_nodes(op="call_function", target=op))
+
+
+def viewed_group(name: str) -> Group | None:
+    """The group a graph names ``name`` if :meth:`Group.view` can stand for its loads and saves
+    (not one spread over the buffer, nor an :class:`ExternalGroup`)."""
+    found = _GROUPS.get(name)
+    return found if isinstance(found, Group) and found.view() is not None else None
 
 
 def group_label(name: str) -> str | None:
