@@ -464,6 +464,48 @@ def test_weights_stepped_beside_the_model_are_warned_about_not_refused(scope):
             assert len(told) == (1 if says and step == 0 else 0)
 
 
+class Prompted(nn.Module):
+    """Prompt tuning: a trainable prompt passed to the forward, held by no model."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x, prompt):
+        return self.b(torch.relu(self.a(x + prompt)))
+
+
+@pytest.mark.parametrize("policy", [fxgrad.clip_by_norm(1e-3), fxgrad.clip_by_global_norm(0.05)])
+def test_a_parameter_of_no_model_that_a_graph_takes_is_a_layer_in_graph_scope_and_reported_in_step_scope(policy):
+    """Graph scope makes a parameter passed to the compiled forward a layer of its own, named
+    after its variable; step scope reads the models' ``.grad`` only, and says once that it leaves
+    it out (one warning, not also the one about parameters stepped beside the model). Registered
+    on the model, step scope covers it as graph scope does."""
+    results = {}
+    for scope, registered in (("graph", False), ("step", False), ("step", True)):
+        torch.manual_seed(0)
+        model, prompt = Prompted(), nn.Parameter(torch.randn(16) * 10)
+        if registered:
+            model.prompt = prompt
+        compiled = fxgrad.backend(policy, compiler="aot_eager", scope=scope).compile(model)
+        optimizer = torch.optim.SGD([*model.parameters(), *([] if registered else [prompt])], lr=0.0)
+        for step in range(2):
+            optimizer.zero_grad()
+            compiled(torch.randn(8, 16, generator=torch.Generator().manual_seed(step)), prompt).pow(2).mean().backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                optimizer.step()
+            told = [str(w.message) for w in caught if issubclass(w.category, fxgrad.CoverageWarning)]
+            left_out = scope == "step" and not registered and step == 0
+            assert len(told) == left_out
+            if left_out:
+                assert "take 1 nn.Parameter(s) with a gradient that belong to no model (prompt: " in told[0]
+        results[scope, registered] = [p.grad.clone() for p in (prompt, model.a.weight, model.a.bias, model.b.weight)]
+    for got, want in zip(results["step", True], results["graph", False]):
+        torch.testing.assert_close(got, want)
+    assert results["step", False][0].norm() > 10 * results["graph", False][0].norm()  # left alone
+
+
 @pytest.mark.parametrize("scope, when", [("graph", "in the backward"), ("step", "at the optimizer step")])
 def test_a_module_compiled_with_another_policy_is_reported_once(scope, when):
     """A Lightning module compiling its network with fxgrad.backend(policy), and the callback given

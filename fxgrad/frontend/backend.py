@@ -45,6 +45,7 @@ from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
 from fxgrad.frontend.step_check import (
+    LOOSE,
     StepCheck,
     hand_over,
     policed_elsewhere,
@@ -610,7 +611,11 @@ class Backend:
             if why is not None:
                 warn(why, CoverageWarning)
             if self.current_scope() == "step":  # graph scope: the step check reports them
-                report_outside(optimizer, self.transform, [model for model, _ in self._step_models()])
+                loose = self._loose_parameters()
+                if loose:
+                    names = ", ".join(sorted(set(loose.values())))
+                    warn(LOOSE.format(count=len(loose), names=names), CoverageWarning)
+                report_outside(optimizer, self.transform, [model for model, _ in self._step_models()], loose)
             elif self._coverage is not None:
                 self._coverage.stepped_together(self.registry, stepped_ids(optimizer), type(optimizer).__name__)
         if self._summed:
@@ -720,6 +725,16 @@ class Backend:
             # Before any graph: in a data-parallel job step scope must run even if none ever comes
             # (torch.compile(DDP(nn.Sequential)) leaves torch.nn's own forward eager).
             self._step.arm()
+
+    def _loose_parameters(self) -> dict[int, str]:
+        """``id -> name`` of the parameters with a gradient that the compiled graphs take but no
+        model holds (:mod:`fxgrad.passes.capture` names them after their variables): graph scope
+        polices them as layers of their own, step scope reads the models' ``.grad`` only."""
+        if not self._loose:
+            return {}
+        slots = [slot for graph in self.registry.current() for slot in graph.params if slot.root is None]
+        tensors = [(slot.name, slot.tensor()) for slot in slots]
+        return {id(t): name for name, t in tensors if t is not None and t.grad is not None}
 
     def _idle(self) -> bool:
         """No model of this backend lives, and no graph holds parameters of no model: a sweep's

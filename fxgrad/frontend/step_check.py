@@ -35,7 +35,7 @@ import dataclasses
 import itertools
 import operator
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -77,20 +77,36 @@ OUTSIDE = (
 )
 
 
+LOOSE = (
+    "fxgrad: the compiled graphs take {count} nn.Parameter(s) with a gradient that belong to no model "
+    "({names}: passed as an argument, or a global). Graph scope makes each a layer of its own, but "
+    "scope='step' applies the policy to the .grad of the models' parameters only, and leaves them out "
+    "of it: not clipped, not counted in its norms. Register them on the model "
+    "(model.register_parameter(name, parameter), or a submodule holding them) for step scope to cover "
+    "them, or use scope='graph'."
+)
+
+
 def stepped_ids(optimizer: torch.optim.Optimizer) -> set[int]:
     """The ids of the parameters ``optimizer`` steps (its parameter groups change: read them each time)."""
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
-def report_outside(optimizer: torch.optim.Optimizer, transform: Transform, models: Sequence[nn.Module]) -> None:
+def report_outside(
+    optimizer: torch.optim.Optimizer,
+    transform: Transform,
+    models: Sequence[nn.Module],
+    reported: Collection[int] = (),
+) -> None:
     """Warn about the parameters ``optimizer`` steps with a gradient that are in none of ``models``
     nor in any model an fxgrad backend compiled, when ``transform`` reduces across layers: its
     global norm leaves them out. A warning, not an error: a loss module's weights or a task
     weight stepped beside the model may be left out on purpose, as ``clip_grad_norm_(
-    model.parameters())`` leaves them. Per-layer rules do not target them: nothing to say then."""
+    model.parameters())`` leaves them. Per-layer rules do not target them: nothing to say then.
+    ``reported``: ids of parameters a warning of its own named already."""
     if not transform.reduces_across_layers():
         return
-    known = {id(p) for model in [*_NEWEST.keys(), *models] for p in model.parameters()}
+    known = {id(p) for model in [*_NEWEST.keys(), *models] for p in model.parameters()} | set(reported)
     outside = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     outside = [p for p in outside if id(p) not in known]
     if outside:
