@@ -81,6 +81,38 @@ def test_global_clip_matches_gradient_clip_val(accumulate, precision):
     assert callback.backend.stats()["grad_norm/total"] > max_norm  # the clip was active
 
 
+def test_the_callback_pickles_as_its_policy_settings_and_state():
+    """Spawning strategies pickle the callbacks; the backend (Dynamo's caches) cannot be: each process
+    gets a backend of its own, with the same policy, settings and state."""
+    import pickle
+
+    policy = fxgrad.chain(fxgrad.monitor(), fxgrad.zclip(warmup=2))
+    callback = FxgradCallback(policy, compiler="aot_eager", skip=("net.3",), stats=("grad_norm*",), prefix="g/")
+    _fit(callbacks=[callback])
+    copied = pickle.loads(pickle.dumps(callback))
+    assert copied.backend is not callback.backend
+    assert (copied.backend.transform, copied.backend.skip, copied.backend.compiler) == (policy, ("net.3",), "aot_eager")
+    assert (copied.stats, copied.prefix) == (callback.stats, callback.prefix)
+    state = callback.state_dict()
+    assert state.keys() == copied.state_dict().keys()
+    for key, value in state.items():
+        torch.testing.assert_close(copied.state_dict()[key], value, msg=key)
+    _fit(callbacks=[copied])  # from the pickled state: zclip's count goes on
+    assert copied.state_dict()["1.zclip/count"] == state["1.zclip/count"] + STEPS
+
+
+@pytest.mark.slow
+def test_ddp_spawn_matches_gradient_clip_val():
+    """strategy="ddp_spawn" pickles the callback into two processes (CPU, gloo)."""
+    spawned = {"devices": 2, "strategy": "ddp_spawn"}
+    reference = _fit(gradient_clip_val=0.2, gradient_clip_algorithm="norm", **spawned)
+    ours = _fit(callbacks=[FxgradCallback(fxgrad.clip_by_global_norm(0.2), compiler="aot_eager")], **spawned)
+    untrained = Regressor().state_dict()
+    assert not all(torch.equal(weight, untrained[name]) for name, weight in ours.state_dict().items())
+    for name, weight in reference.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], weight, rtol=1e-6, atol=1e-8, msg=name)
+
+
 class CompiledInside(Regressor):
     """A module that compiles its network with a step-scope fxgrad backend itself, no callback."""
 

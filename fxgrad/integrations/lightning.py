@@ -82,6 +82,23 @@ class FxgradCallback(pl.Callback):
     def __repr__(self) -> str:
         return f"FxgradCallback({self.backend.transform!r})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Spawning strategies (``strategy="ddp_spawn"``) pickle the callbacks into each process. A
+        backend cannot be pickled (it holds Dynamo's caches): it goes as its policy, settings and
+        state, and each process builds its own."""
+        state = dict(self.__dict__)
+        backend = state.pop("backend")
+        state["backend_made_of"] = (backend.transform, backend.skip, backend.compiler, backend.state_dict())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        policy, skip, compiler, saved = state.pop("backend_made_of")
+        self.__dict__.update(state)
+        self.backend = Backend(policy, skip=skip, compiler=compiler, scope="step")
+        if saved:
+            self.backend.load_state_dict(saved)
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
