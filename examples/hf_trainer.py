@@ -1,10 +1,10 @@
 """The Hugging Face Trainer training a model with an fxgrad policy, through ``fxgrad.integrations.transformers``.
 
 The policy is declarative, in ``examples/hf_policy.json`` (monitor, a rescale of
-the ``*.c_attn`` layers, a global clip). ``prepare`` compiles the model with
-fxgrad's backend, sets ``max_grad_norm=0`` (the policy clips, inside the
-backward) and ``remove_unused_columns=False`` (the compiled module's forward
-takes ``*args, **kwargs``), and returns a callback that adds fxgrad's
+the ``*.c_attn`` layers, a global clip). ``prepare`` compiles the model in
+place with fxgrad's backend (it stays a ``GPT2LMHeadModel``: its checkpoints load
+with ``from_pretrained``), sets ``max_grad_norm=0`` (the policy clips, inside the
+backward), and returns a callback that adds fxgrad's
 statistics to the Trainer's log entries, with no host sync in the step (the
 copy happens at logging time).
 

@@ -412,6 +412,14 @@ def current_frame_scope() -> tuple[dict, dict] | None:
     return tx.f_locals, tx.f_globals
 
 
+def wrap_compiled_call(model: torch.nn.Module, wrap: Callable[[Callable[..., Any]], Any]) -> Any:
+    """Replace the call that ``model.compile()`` installed (``model(x)`` runs it instead of the
+    eager ``_call_impl``) with ``wrap(call)``, and return that: code around each compiled call,
+    outside Dynamo."""
+    model._compiled_call_impl = wrapped = wrap(model._compiled_call_impl)
+    return wrapped
+
+
 def model_being_compiled() -> Any:
     """The ``model`` argument of the ``torch.compile(model, ...)`` call on the stack, if any.
 

@@ -52,13 +52,19 @@ def test_global_clip_matches_max_grad_norm(tmp_path, accumulate):
 
     args = _args(tmp_path, gradient_accumulation_steps=accumulate)
     model, callback = prepare(eager, fxgrad.clip_by_global_norm(max_norm), args, compiler="aot_eager")
-    assert (args.max_grad_norm, args.remove_unused_columns) == (0.0, False)
+    assert model is eager  # compiled in place: its class, state_dict keys and signature, as the Trainer reads them
+    assert (args.max_grad_norm, args.remove_unused_columns) == (0.0, True)
     assert callback.backend.current_scope() == ("graph" if accumulate == 1 else "step")
     trainer = Trainer(model=model, args=args, train_dataset=_data(), callbacks=[callback])
     trainer.train()
 
     for name, weight in reference.state_dict().items():
         torch.testing.assert_close(eager.state_dict()[name], weight, rtol=1e-6, atol=1e-8, msg=name)
+    trainer.save_model(str(tmp_path / "final"))  # loads with from_pretrained: no _orig_mod. prefix
+    loaded = type(eager).from_pretrained(str(tmp_path / "final"))
+    for name, weight in loaded.state_dict().items():
+        torch.testing.assert_close(weight, eager.state_dict()[name], msg=name)
+    assert "eval_loss" in trainer.evaluate(_data()[:8])  # the Trainer found the label column
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in logged] == [5, 10]  # logging_steps=5
     for entry in logged:
@@ -90,11 +96,17 @@ def test_conflicting_arguments_raise(tmp_path):
         with pytest.raises((TypeError, ValueError)):
             prepare(model, policy, untouched, compiler=compiler)
         assert (untouched.max_grad_norm, untouched.remove_unused_columns) == (1.0, True)
+        assert not isinstance(model, torch.nn.Module) or model._compiled_call_impl is None  # not compiled
     # without args, the callback checks the Trainer's when the Trainer is built
     model, callback = prepare(_gpt2(), policy, compiler="aot_eager")
-    args = _args(tmp_path, remove_unused_columns=False)  # max_grad_norm keeps its default, 1.0
+    args = _args(tmp_path)  # max_grad_norm keeps its default, 1.0
     with pytest.raises(ValueError, match=r"TrainingArguments\(max_grad_norm=1.0\)"):
         Trainer(model=model, args=args, train_dataset=_data(), callbacks=[callback])
+    # a torch.compile wrapper hides the forward's signature: the Trainer would drop every column
+    backend = fxgrad.backend(policy, compiler="aot_eager")
+    wrapper, callback = backend.compile(_gpt2()), FxgradTrainerCallback(backend)
+    with pytest.raises(ValueError, match=r"TrainingArguments\(remove_unused_columns=True\) drops every input"):
+        Trainer(model=wrapper, args=_args(tmp_path, max_grad_norm=0.0), train_dataset=_data(), callbacks=[callback])
     with pytest.raises(TypeError, match="backend must be an fxgrad.backend"):
         FxgradTrainerCallback(policy)
 

@@ -627,3 +627,35 @@ def test_a_gan_generator_step_onto_the_discriminators_unzeroed_gradients_is_no_a
             g_optimizer.zero_grad()
             (-d(g(noise)).mean()).backward()
             g_optimizer.step()
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_model_compiled_in_place_keeps_its_class_keys_signature_and_checks(scope):
+    """``backend.compile(model, in_place=True)``: the model itself, as ``model.compile()`` leaves it
+    (what the Hugging Face Trainer saves and inspects), exact, with the per-forward checks."""
+    import inspect
+
+    torch.manual_seed(0)
+    model = TwoOutputs()
+    eager, keys, signature = copy.deepcopy(model), list(model.state_dict()), inspect.signature(model.forward)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope=scope)
+    assert backend.compile(model, in_place=True) is model
+    assert (type(model), list(model.state_dict()), inspect.signature(model.forward)) == (TwoOutputs, keys, signature)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for step in range(3):
+        x = torch.randn(4, 8)
+        with coverage_silent():
+            sum(out.sum() for out in model(x)).backward()
+            optimizer.step()
+        sum(out.sum() for out in eager(x)).backward()
+        ref.clip_global(eager, 1e-3)
+        assert_grads_close(model, eager)
+        optimizer.zero_grad()
+        eager.zero_grad()
+    if scope == "graph":  # a per-forward check: accumulation, reported at the step
+        with pytest.warns(fxgrad.CoverageWarning, match="still held the previous backward's gradient"):
+            for _ in range(2):
+                model(torch.randn(4, 8))[0].sum().backward()
+            optimizer.step()
+    with pytest.raises(TypeError, match="in_place must be True or False"):
+        backend.compile(TwoOutputs(), in_place="yes")

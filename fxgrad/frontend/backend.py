@@ -58,7 +58,7 @@ from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
 from fxgrad.frontend.warm_start import StandIn
-from fxgrad.frontend.watch import ForwardWatch, GradWrites, OncePerPass, track_wrapper
+from fxgrad.frontend.watch import ForwardWatch, GradWrites, OncePerPass, WatchedCall, track_wrapper
 from fxgrad.passes.capture import CapturedGraph, Root, capture, live_root
 from fxgrad.passes.graphtext import normalize_code, render_inserted
 from fxgrad.passes.record import gc_paused
@@ -350,8 +350,14 @@ class Backend:
         elif unwatched:
             self._writes.reaches(probe, self.registry.model_name(graph), graph)
 
-    def compile(self, model: nn.Module, **compile_kwargs: Any) -> nn.Module:
+    def compile(self, model: nn.Module, *, in_place: bool = False, **compile_kwargs: Any) -> nn.Module:
         """``torch.compile(model, backend=self, **compile_kwargs)``, checked at each forward.
+
+        ``in_place=True`` compiles the model itself, as ``model.compile(backend=self)`` does, and
+        returns it: it keeps its class, its ``state_dict`` keys (no ``_orig_mod.``) and its
+        ``forward``'s signature, for code that reads them (the Hugging Face Trainer saves
+        checkpoints ``from_pretrained`` loads, finds the label columns, keeps the dataset's
+        columns the forward takes), with the same checks at each call.
 
         ``torch.compile(model, backend=backend)`` gets the policy and the
         checks at ``optimizer.step()`` (see :attr:`__name__`). This
@@ -383,15 +389,21 @@ class Backend:
         patches = _compat.inductor_config_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
         if patches and self.compiler != "inductor":
             raise ValueError(f"mode= and options= configure Inductor; this backend has compiler={self.compiler!r}")
+        if not isinstance(in_place, bool):
+            raise TypeError(f"in_place must be True or False, got {in_place!r}")
         self._adopt(model)
-        compiled = torch.compile(model, backend=self, **compile_kwargs)
+        if in_place:
+            model.compile(backend=self, **compile_kwargs)
+            compiled = _compat.wrap_compiled_call(model, WatchedCall)
+        else:
+            compiled = torch.compile(model, backend=self, **compile_kwargs)
         track_wrapper(model, compiled)
         if self._coverage is not None:
             self._watched.add(model)
             in_graph = lambda: self.current_scope() == "graph"  # noqa: E731
             watch = ForwardWatch(model, self._coverage, lambda: self._graph_runs, in_graph, self._note_summed)
             watch.install(compiled)
-        return compiled
+        return model if in_place else compiled
 
     @property
     def __name__(self) -> str:

@@ -188,6 +188,36 @@ class OncePerPass:
         return first
 
 
+class WatchedCall:
+    """The call ``model.compile()`` installs, with hooks around it as a compiled module's forward
+    hooks run, outside Dynamo: what :class:`ForwardWatch` installs on for a model compiled in
+    place (``backend.compile(model, in_place=True)``)::
+
+        call = WatchedCall(compiled_call)
+        call.register_forward_pre_hook(lambda call, args: ...)
+        call.register_forward_hook(lambda call, args, output: ...)
+    """
+
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self.call = call
+        self._pre_hooks: list[Callable[..., None]] = []
+        self._hooks: list[Callable[..., None]] = []
+
+    def register_forward_pre_hook(self, hook: Callable[[Any, tuple], None]) -> None:
+        self._pre_hooks.append(hook)
+
+    def register_forward_hook(self, hook: Callable[[Any, tuple, Any], None]) -> None:
+        self._hooks.append(hook)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for hook in self._pre_hooks:
+            hook(self, args)
+        output = self.call(*args, **kwargs)
+        for hook in self._hooks:
+            hook(self, args, output)
+        return output
+
+
 class ForwardWatch:
     """The per-forward checks of one compiled model.
 
@@ -222,7 +252,7 @@ class ForwardWatch:
         self._compiled: Callable[[], Any] = lambda: None
         self._watched: nn.Parameter | None = None  # the probe the hooks are on
 
-    def install(self, compiled: nn.Module) -> None:
+    def install(self, compiled: nn.Module | WatchedCall) -> None:
         self._compiled = weakref.ref(compiled)
         compiled.register_forward_pre_hook(self._before)
         compiled.register_forward_hook(self._after)

@@ -8,10 +8,12 @@
 
     args = TrainingArguments(output_dir="out", logging_steps=10)
     policy = fxgrad.chain(fxgrad.monitor(), fxgrad.clip_by_global_norm(1.0))
-    model, callback = prepare(model, policy, args)  # compiles; sets max_grad_norm=0, remove_unused_columns=False
+    model, callback = prepare(model, policy, args)  # compiles the model in place; sets max_grad_norm=0
     Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
 
-``prepare`` compiles the model with fxgrad's backend before the Trainer sees it: the Trainer's own
+``prepare`` compiles the model in place with fxgrad's backend before the Trainer sees it (it keeps
+its class, its ``state_dict`` keys and its forward's signature, as the Trainer's own compile does,
+so checkpoints load with ``from_pretrained`` and evaluation finds the labels): the Trainer's own
 ``torch_compile_backend="fxgrad"`` is refused by accelerate (``ValueError: 'FXGRAD' is not a valid
 DynamoBackend``, accelerate 1.15). The policy runs inside the backward graph, or in step scope (at
 ``optimizer.step()``, on the accumulated, unscaled gradient) when ``gradient_accumulation_steps > 1`` or
@@ -23,6 +25,7 @@ Reference: docs/integrations.md.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from typing import Any, Iterable
 
@@ -72,8 +75,9 @@ class FxgradTrainerCallback(TrainerCallback):
         self.prefix = check_prefix(prefix)
         self._resumed_without: tuple[int, str] | None = None  # a resumed run's step and where no state was
 
-    def check(self, args: TrainingArguments) -> None:
-        """Raise ``ValueError`` naming the first setting of ``args`` that conflicts with the backend."""
+    def check(self, args: TrainingArguments, model: nn.Module | None = None) -> None:
+        """Raise ``ValueError`` naming the first setting of ``args`` that conflicts with the backend
+        (and with ``model``, the one the Trainer trains, when given)."""
         conflicts = {
             "max_grad_norm": (
                 args.max_grad_norm > 0,
@@ -97,9 +101,10 @@ class FxgradTrainerCallback(TrainerCallback):
                 "DDP, or leave the gradient policy to DeepSpeed",
             ),
             "remove_unused_columns": (
-                args.remove_unused_columns,
-                "drops every input: the compiled model's forward takes (*args, **kwargs); set it to False and "
-                "give the Trainer only the model's inputs",
+                args.remove_unused_columns and model is not None and _hides_signature(model),
+                "drops every input: the compiled module's forward takes (*args, **kwargs); set it to False and "
+                "give the Trainer only the model's inputs, or compile the model in place "
+                "(prepare() does: backend.compile(model, in_place=True))",
             ),
         }
         if self.backend.current_scope() == "graph":
@@ -123,7 +128,7 @@ class FxgradTrainerCallback(TrainerCallback):
                 raise ValueError(f"TrainingArguments({name}={getattr(args, name)!r}) {why}")
 
     def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        self.check(args)
+        self.check(args, kwargs.get("model"))
 
     def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         if not args.should_save:  # another process of the job saves
@@ -194,10 +199,11 @@ def prepare(
     prefix: str = "fxgrad/",
     **compile_kwargs: Any,
 ) -> tuple[nn.Module, FxgradTrainerCallback]:
-    """``model`` compiled with ``fxgrad.backend(policy)``, and the callback to give the Trainer.
+    """``model`` compiled in place with ``fxgrad.backend(policy)`` (:meth:`fxgrad.Backend.compile`,
+    ``in_place=True``), and the callback to give the Trainer.
 
-    With ``args``, it sets what the compiled model needs: ``max_grad_norm=0`` when it has its default
-    (1.0; the policy replaces the Trainer's clipping) and ``remove_unused_columns=False``; and with
+    With ``args``, it sets ``max_grad_norm=0`` when it has its default (1.0; the policy replaces the
+    Trainer's clipping); and with
     ``scope="auto"`` it picks ``scope="step"`` when ``gradient_accumulation_steps > 1``, ``fp16`` or
     ``gradient_checkpointing`` (then the policy runs once per optimizer step on the accumulated, unscaled
     gradient, whatever graph breaks checkpointing makes), else the in-graph scope.
@@ -215,21 +221,21 @@ def prepare(
             raise TypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
         if scope == "auto" and (args.gradient_accumulation_steps > 1 or args.fp16 or args.gradient_checkpointing):
             scope = "step"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     backend = Backend(policy, skip=skip, compiler=compiler, strict=strict, scope=scope)
     callback = FxgradTrainerCallback(backend, stats=stats, prefix=prefix)
-    compiled = backend.compile(model, **compile_kwargs)
-    if args is not None:  # the arguments are checked: now set args, unless a setting conflicts
-        before = {"max_grad_norm": args.max_grad_norm, "remove_unused_columns": args.remove_unused_columns}
-        if args.max_grad_norm == _default(args, "max_grad_norm"):
-            args.max_grad_norm = 0.0
-        args.remove_unused_columns = False
-        try:
-            callback.check(args)
-        except ValueError:
-            for name, value in before.items():  # a refused call leaves args as they were
-                setattr(args, name, value)
-            raise
-    return compiled, callback
+    before = None if args is None else args.max_grad_norm
+    try:  # a refused call leaves args, and the model, as they were
+        if args is not None:  # the arguments are checked: now set args, unless a setting conflicts
+            if args.max_grad_norm == _default(args, "max_grad_norm"):
+                args.max_grad_norm = 0.0
+            callback.check(args, model)  # compiled in place, it keeps its forward's signature
+        return backend.compile(model, in_place=True, **compile_kwargs), callback
+    except (TypeError, ValueError):
+        if args is not None:
+            args.max_grad_norm = before
+        raise
 
 
 STATE_FILE = "fxgrad_state.pt"
@@ -245,6 +251,13 @@ def _fingerprint(model: nn.Module) -> torch.Tensor:
     another run's at the same step (one pass over the weights, at checkpoints only)."""
     with torch.no_grad():
         return torch.stack([p.detach().to(torch.float64).sum() for p in model.parameters()]).cpu()
+
+
+def _hides_signature(model: nn.Module) -> bool:
+    """Whether ``model``'s forward takes only ``*args, **kwargs`` (a ``torch.compile`` wrapper's), so
+    that the Trainer cannot tell the dataset's columns it takes."""
+    kinds = {p.kind for p in inspect.signature(model.forward).parameters.values()}
+    return kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
 
 
 def _default(args: TrainingArguments, name: str) -> Any:
