@@ -35,6 +35,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch._subclasses.fake_tensor import FakeTensorConfig as _FakeTensorConfig
 from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import (
@@ -47,6 +48,7 @@ __all__ = [
     "grad_scaler_scale",
     "grad_scaler_unscaled",
     "tensor_version",
+    "gradient_versions",
     "has_grad_hooks",
     "backward_pass_id",
     "compiled_backward_nodes",
@@ -566,6 +568,17 @@ def module_path(name: str) -> str:
 tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 """The in-place modification counter of a tensor (bumped by ``add_``, ``copy_``, ...); a C
 getter, which ``map`` runs over a step's gradients without a Python frame per tensor."""
+
+
+def gradient_versions(grads: Sequence[torch.Tensor]) -> list[int]:
+    """:data:`tensor_version` of each of ``grads``, a count that grows with every in-place change.
+    A DTensor's is the sum of its own and its local tensor's: FSDP2 adds a micro-batch's gradient
+    into an existing ``.grad`` through ``_local_tensor``, which leaves the DTensor's counter as it
+    was, and a DTensor's own in-place ops (``zero_``) leave the local tensor's. Told by the first
+    gradient (FSDP2's are all DTensors), so a plain list costs one C map."""
+    if grads and isinstance(grads[0], DTensor):
+        return [g._version + g._local_tensor._version if isinstance(g, DTensor) else g._version for g in grads]
+    return list(map(tensor_version, grads))
 
 
 def backward_pass_id() -> int:

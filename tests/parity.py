@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import socket
 import warnings
 from unittest import mock
 
 import models
 import torch
+import torch.distributed as dist
 
 import fxgrad
 from fxgrad import _compat
@@ -179,3 +181,16 @@ def run_both(
     if acts:
         assert_acted(moved)
     return backend, results
+
+
+@contextlib.contextmanager
+def one_process_group():
+    """A one-process gloo group, as ``torchrun --nproc-per-node 1`` gives."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -5,37 +5,21 @@ users and frameworks write them, without ``backend.compile``. Where Dynamo leave
 policy nothing to act on, fxgrad says so at the latest at ``optimizer.step()``.
 """
 
-import contextlib
 import copy
 import gc
-import socket
 import warnings
 import weakref
 
 import pytest
 import reference as ref
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from parity import assert_grads_close, coverage_silent
+from parity import assert_grads_close, coverage_silent, one_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxgrad
 from fxgrad import _compat
 from fxgrad.passes.capture import Root
-
-
-@contextlib.contextmanager
-def one_process_group():
-    """A one-process gloo group, as ``torchrun --nproc-per-node 1`` gives."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class LSTMNet(nn.Module):

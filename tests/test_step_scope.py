@@ -10,7 +10,7 @@ import pytest
 import reference as ref
 import torch
 import torch.nn as nn
-from parity import assert_grads_close, coverage_silent
+from parity import assert_grads_close, coverage_silent, one_process_group
 from test_coverage import BrokenMLP
 
 import fxgrad
@@ -682,3 +682,30 @@ def test_a_backend_left_with_no_model_unhooks_until_it_gets_one(scope):
     assert hooks() == 1
     for p, q in zip(model.parameters(), expected.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_a_gradient_fsdp2_adds_into_through_its_local_tensor_has_changed():
+    """FSDP2 adds a micro-batch's reduce-scattered gradient into an existing sharded ``.grad``
+    through ``_local_tensor``, which leaves the DTensor's own version as it was: the policy must
+    still see new gradients there (``backend.step()`` between micro-batches that each sync)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fxgrad.frontend.step_scope import SeenGrads
+
+    with one_process_group():
+        mesh = init_device_mesh("cpu", (1,))
+        params = (nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(2)))
+        grads = [distribute_tensor(torch.randn(p.shape), mesh, [Shard(0)]) for p in params]
+        seen = SeenGrads()
+        seen.record(params, grads)
+        assert not seen.changed(params, grads)
+        grads[1]._local_tensor += 1.0  # as FSDP2 accumulates
+        assert seen.changed(params, grads)
+        seen.record(params, grads)
+        seen.forget()  # the record kept by parameter id: the per-parameter check
+        grads[0]._local_tensor += 1.0
+        assert seen.changed(params, grads)
+        seen.record(params, grads)
+        grads[0].zero_()  # a DTensor's own in-place op
+        assert seen.changed(params, grads)

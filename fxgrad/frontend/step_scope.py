@@ -295,7 +295,9 @@ class SeenGrads:
     """The gradients the policy ran on, so that it runs once per set of gradients.
 
     Each parameter's gradient, weakly, and the gradient's version (bumped by an in-place
-    change: accumulation into it, the policy's own writes). The last run's record is kept
+    change: accumulation into it, the policy's own writes; a DTensor's counts its local
+    tensor's, which FSDP2 accumulates into, see :func:`fxgrad._compat.gradient_versions`).
+    The last run's record is kept
     as lists in the order of its parameters (the kept walk of :meth:`StepScope.parameters`),
     which the next step compares with C maps over the gradients; other parameters (a GAN's
     generator, after the policy ran on both models) are looked up one by one::
@@ -316,14 +318,14 @@ class SeenGrads:
         last, held, refs, versions = self._last
         if last is params and not_none(grads) == held:
             grads = list(itertools.compress(grads, held))
-            return any(map(operator.is_not, map(weakref.ref.__call__, refs), grads)) or versions != list(
-                map(_compat.tensor_version, grads)
+            return any(map(operator.is_not, map(weakref.ref.__call__, refs), grads)) or versions != (
+                _compat.gradient_versions(grads)
             )
         self._merge_last()
         for p, grad in zip(params, grads):
             if grad is not None:
                 ref, version = self._by_id.get(id(p), (None, None))
-                if ref is None or ref() is not grad or version != _compat.tensor_version(grad):
+                if ref is None or ref() is not grad or [version] != _compat.gradient_versions([grad]):
                     return True
         return False
 
@@ -333,7 +335,7 @@ class SeenGrads:
             self._merge_last()
         held = not_none(grads)
         grads = list(itertools.compress(grads, held))
-        self._last = params, held, list(map(weakref.ref, grads)), list(map(_compat.tensor_version, grads))
+        self._last = params, held, list(map(weakref.ref, grads)), _compat.gradient_versions(grads)
 
     def forget(self) -> None:
         """Keep the last record by parameter id, not with the parameters, and drop the records
