@@ -460,6 +460,39 @@ def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_
 
 
 @pytest.mark.parametrize("scope", SCOPES)
+def test_a_checkpoint_of_an_unfused_optimizer_loaded_into_a_folded_one_scales_the_gradients_itself(scope):
+    """``load_state_dict`` copies the checkpoint's ``fused`` (``None`` from a plain AdamW) into the
+    parameter groups: from then on the update reads no grad_scale, and the factor takes a pass of
+    its own, after one warning, as for a group added without fused=True."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    backend.fold(optimizer)
+    compiled = torch.compile(model, backend=backend)
+    expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, fused=True)
+    for step in range(6):
+        if step == 3:
+            for opt in (optimizer, expected_optimizer):
+                state = opt.state_dict()
+                state["param_groups"][0]["fused"] = None  # as torch.optim.AdamW(...) saves it
+                opt.load_state_dict(state)
+        x = torch.randn(16, 8)
+        for m, opt in ((compiled, optimizer), (expected, expected_optimizer)):
+            opt.zero_grad()
+            m(x).pow(2).mean().mul(30).backward()
+        ref.clip_global(expected, 0.05)
+        expected_optimizer.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+        said = [str(w.message) for w in caught if "fold(AdamW)" in str(w.message)]
+        assert len(said) == (step == 3) and (not said or "a parameter group without fused=True" in said[0]), said
+    assert_same_weights(model, expected)
+
+
+@pytest.mark.parametrize("scope", SCOPES)
 def test_an_optimizer_that_replaces_a_folded_one_is_folded_again(scope):
     """A resume in the same process: a new fused optimizer takes the folded one's state_dict. In
     graph scope the backward graphs were compiled folded and keep leaving the factor to the

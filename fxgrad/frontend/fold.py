@@ -178,7 +178,10 @@ def step_fallback(optimizer: torch.optim.Optimizer, ours: frozenset[int]) -> str
     (``ours``: the ids of the backend's models' parameters), or ``None``: parameter groups
     can change after :func:`fallback` approved the optimizer."""
     if not _fused(optimizer):
-        return "a parameter group without fused=True (added after fold()) has no grad_scale input"
+        return (
+            "a parameter group without fused=True (added after fold(), or unset by load_state_dict of a "
+            "checkpoint of an unfused optimizer) has no grad_scale input"
+        )
     outside = sum(id(p) not in ours for group in optimizer.param_groups for p in group["params"])
     if outside:
         return (
@@ -321,7 +324,8 @@ class Folds:
         self._given.add(optimizer)
         if not factors:
             return
-        shape = tuple(len(group["params"]) for group in optimizer.param_groups)  # add_param_group changes it
+        # add_param_group changes it, and load_state_dict can unset a group's fused (a plain AdamW's checkpoint)
+        shape = tuple((len(group["params"]), bool(group.get("fused"))) for group in optimizer.param_groups)
         checked = self._checks.get(optimizer)
         if checked is None or checked[0] != shape:
             ours = self._ours()
