@@ -78,6 +78,29 @@ def test_under_sgd_it_equals_the_gradient_level_factor(scope, optimizer, compile
     assert_same_weights(model, expected)
 
 
+class Delegating(torch.optim.Optimizer):
+    """An optimizer that steps another (Lookahead, ZeroRedundancyOptimizer): the step hooks of both run."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        super().__init__(inner.param_groups, inner.defaults)
+        self.param_groups = inner.param_groups
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_an_optimizer_stepping_another_scales_the_update_once(scope, compile_with):
+    model, forward, _ = compiled(STEM_3X, scope, compile_with)
+    train(model, Delegating(adamw(model.parameters())), forward)
+    expected = mlp()
+    stem = list(expected[0].parameters())
+    rest = [p for layer in expected[1:] for p in layer.parameters()]
+    train(expected, adamw([{"params": stem, "lr": 3e-2}, {"params": rest}]))
+    assert_same_weights(model, expected)
+
+
 def test_weight_norm_drift_on_the_update_is_a_per_layer_learning_rate():
     """weight_norm_drift's factor as the operator-norm article's per-layer eta_l: a reference
     that sets each layer's learning rate to lr * factor before each step."""

@@ -8,8 +8,10 @@ With ``apply_to="update"`` (``rescale``, ``weight_norm_drift``,
 instead, ``w <- w_before + f * (w_after - w_before)``: a per-layer learning-rate
 scale, weight decay included, under any optimizer that makes one update per
 ``step()`` (not ``LBFGS``, whose step evaluates its closure several times: refused,
-``ValueError``). Under plain SGD without weight decay it equals the gradient-level
-factor; so it does under momentum while the factor is constant::
+``ValueError``). Under an optimizer that wraps another and calls its ``step()``
+(Lookahead, ``ZeroRedundancyOptimizer``), the inner update is scaled, once. Under
+plain SGD without weight decay it equals the gradient-level factor; so it does
+under momentum while the factor is constant::
 
     policy = fxgrad.rescale(alpha=0, multipliers={"stem": 3.0}, apply_to="update")
     model = torch.compile(model, backend=fxgrad.backend(policy))
@@ -73,8 +75,15 @@ class UpdateFactors:
             for p in group["params"]
             if id(p) in layer_of and p.grad is not None
         ]
-        if copies:
-            self._before[optimizer] = copies
+        if not copies:
+            return
+        # A step inside another optimizer's (a wrapper's: Lookahead, ZeroRedundancyOptimizer): the
+        # inner update is the one the factor scales; the wrapper leaves these weights alone.
+        ids = {id(p) for p, _, _ in copies}
+        for other, held in list(self._before.items()):
+            if other is not optimizer:
+                self._before[other] = [copy for copy in held if id(copy[0]) not in ids]
+        self._before[optimizer] = copies
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         copies = self._before.pop(optimizer, None)
