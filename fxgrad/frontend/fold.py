@@ -310,9 +310,10 @@ class Folds:
         if self._in_graph() and factors > 1:
             raise ValueError(
                 f"fold in graph scope: {factors} backward passes through the compiled graphs since the last "
-                "step (accumulated micro-batches, a graph break, retain_graph): each applied its own factor, "
-                "which one grad_scale cannot hold. Use fxgrad.backend(..., scope='step'), which applies the "
-                "factor of the whole step's gradient, or do not fold."
+                "step (accumulated micro-batches, a graph break, retain_graph, or an optimizer.step() skipped "
+                "after a backward): each left its own factor, which one grad_scale cannot hold. Use "
+                "fxgrad.backend(..., scope='step'), which applies the factor of the whole step's gradient, or "
+                "do not fold."
             )
         return factors
 
@@ -359,6 +360,8 @@ class Folds:
             return
         if optimizer in self._told_unreached:
             return
+        if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
+            return  # no backward since zero_grad: nothing for the policy to act on
         self._told_unreached.add(optimizer)
         warn(
             f"fxgrad: fold({type(optimizer).__name__}): optimizer.step() ran and the policy {self.transform!r} "
