@@ -413,15 +413,30 @@ def test_a_second_step_on_the_same_gradients_applies_the_factor_once(scope):
     assert_same_weights(model, expected)
 
 
+def _add_group(fused):
+    return lambda optimizer, temperature: optimizer.add_param_group({"params": [temperature], "fused": fused})
+
+
+def _load_unfused_checkpoint(optimizer, temperature):
+    state = optimizer.state_dict()
+    state["param_groups"][0]["fused"] = None  # as torch.optim.AdamW(...) saves it
+    optimizer.load_state_dict(state)  # which copies it into the parameter group
+
+
 @pytest.mark.parametrize(
-    "fused, reason",
-    [(True, "also steps 1 parameter(s) outside the models"), (False, "a parameter group without fused=True")],
-    ids=["outside parameter", "unfused group"],
+    "change, reason",
+    [
+        (_add_group(True), "also steps 1 parameter(s) outside the models"),
+        (_add_group(False), "a parameter group without fused=True"),
+        (_load_unfused_checkpoint, "a parameter group without fused=True"),
+    ],
+    ids=["outside parameter", "unfused group", "unfused checkpoint"],
 )
 @pytest.mark.parametrize("scope", SCOPES)
-def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_itself(scope, fused, reason):
+def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_itself(scope, change, reason):
     """grad_scale would multiply every gradient the optimizer steps: a loss module's temperature,
-    or a group added after fold() without fused=True, leave the factor to a pass of its own."""
+    or a group without fused=True (added after fold(), or a plain AdamW's checkpoint loaded),
+    leave the factor to a pass of its own."""
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
@@ -433,8 +448,8 @@ def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_
     expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, fused=True)
     for step in range(6):
         if step == 3:
-            optimizer.add_param_group({"params": [temperature], "fused": fused})
-            expected_optimizer.add_param_group({"params": [expected_temperature], "fused": fused})
+            change(optimizer, temperature)
+            change(expected_optimizer, expected_temperature)
         x = torch.randn(16, 8)
         for m, t, opt in ((compiled, temperature, optimizer), (expected, expected_temperature, expected_optimizer)):
             opt.zero_grad()
@@ -452,45 +467,12 @@ def test_a_folded_optimizer_that_steps_more_than_the_model_scales_the_gradients_
     torch.testing.assert_close(temperature, expected_temperature, rtol=1e-6, atol=0)
 
     other = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
-    if fused:
+    if all(group["fused"] for group in optimizer.param_groups):
         with pytest.raises(ValueError, match=r"\boptimizer\b: this AdamW is folded into another fxgrad backend"):
             other.fold(optimizer)
     else:  # which the unfused group makes the other backend keep its scaling pass: no conflict
         with pytest.warns(RuntimeWarning, match=r"fold\(AdamW\)"):
             other.fold(optimizer)
-
-
-@pytest.mark.parametrize("scope", SCOPES)
-def test_a_checkpoint_of_an_unfused_optimizer_loaded_into_a_folded_one_scales_the_gradients_itself(scope):
-    """``load_state_dict`` copies the checkpoint's ``fused`` (``None`` from a plain AdamW) into the
-    parameter groups: from then on the update reads no grad_scale, and the factor takes a pass of
-    its own, after one warning, as for a group added without fused=True."""
-    torch.manual_seed(0)
-    model = mlp()
-    expected = copy.deepcopy(model)
-    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    backend.fold(optimizer)
-    compiled = torch.compile(model, backend=backend)
-    expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, fused=True)
-    for step in range(6):
-        if step == 3:
-            for opt in (optimizer, expected_optimizer):
-                state = opt.state_dict()
-                state["param_groups"][0]["fused"] = None  # as torch.optim.AdamW(...) saves it
-                opt.load_state_dict(state)
-        x = torch.randn(16, 8)
-        for m, opt in ((compiled, optimizer), (expected, expected_optimizer)):
-            opt.zero_grad()
-            m(x).pow(2).mean().mul(30).backward()
-        ref.clip_global(expected, 0.05)
-        expected_optimizer.step()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            optimizer.step()
-        said = [str(w.message) for w in caught if "fold(AdamW)" in str(w.message)]
-        assert len(said) == (step == 3) and (not said or "a parameter group without fused=True" in said[0]), said
-    assert_same_weights(model, expected)
 
 
 @pytest.mark.parametrize("scope", SCOPES)
