@@ -397,5 +397,6 @@ class Folds:
             f"fold: {name} steps parameters of the models of this backend, and is not folded while "
             f"{len(self._counts)} other optimizer(s) are: the policy {self.transform!r} left its global factor "
             "to the folded updates, so this one would apply unscaled gradients. Fold every optimizer that steps "
-            "the model (backend.fold(optimizer) for each), or none."
+            "the model (backend.fold(optimizer) for each), or none; an optimizer that wraps a folded one "
+            "(Lookahead, ZeroRedundancyOptimizer) cannot be folded itself: do not fold the one inside it."
         )
