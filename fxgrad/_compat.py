@@ -422,6 +422,18 @@ def wrap_compiled_call(model: torch.nn.Module, wrap: Callable[[Callable[..., Any
     return wrapped
 
 
+@contextlib.contextmanager
+def compiled_call_set_aside(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block ``model(x)`` runs its eager ``_call_impl``, not the call ``model.compile()``
+    installed (a compile of the model around it would otherwise meet the compiled call inside,
+    and Dynamo runs such a frame eagerly)."""
+    call, model._compiled_call_impl = model._compiled_call_impl, None
+    try:
+        yield
+    finally:
+        model._compiled_call_impl = call
+
+
 def model_being_compiled() -> Any:
     """The ``model`` argument of the ``torch.compile(model, ...)`` call on the stack, if any.
 

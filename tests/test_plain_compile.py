@@ -641,5 +641,13 @@ def test_a_model_compiled_in_place_keeps_its_class_keys_signature_and_checks(sco
             for _ in range(2):
                 model(torch.randn(4, 8))[0].sum().backward()
             optimizer.step()
+    report = fxgrad.explain(model, torch.randn(4, 8), backend=backend)  # on the eager model, set aside
+    assert "not captured" not in str(report) and report.graphs
+    optimizer.zero_grad()
+    with coverage_silent():  # and the model is compiled as before
+        sum(out.sum() for out in model(torch.randn(4, 8))).backward()
+        optimizer.step()
+    total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    torch.testing.assert_close(total, torch.tensor(1e-3), rtol=1e-4, atol=0)
     with pytest.raises(TypeError, match="in_place must be True or False"):
         backend.compile(TwoOutputs(), in_place="yes")

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.nn as nn
 
+from fxgrad import _compat
 from fxgrad.core.layers import parameter_owners, skip_reason
 from fxgrad.frontend.backend import Backend
 from fxgrad.frontend.coverage import CoverageWarning
@@ -189,7 +190,8 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
     )
     collector = KernelCollector(lambda: probe.graphs) if kernels else None
     capture = collector.capture() if collector is not None else contextlib.nullcontext()
-    with _restored(model), handed_back(model), warnings.catch_warnings(record=True) as caught, capture:
+    set_aside = _compat.compiled_call_set_aside(model)  # compiled in place (backend.compile(..., in_place=True))
+    with _restored(model), handed_back(model), set_aside, warnings.catch_warnings(record=True) as caught, capture:
         warnings.simplefilter("always", CoverageWarning)
         compiled = probe.compile(model)
         try:
