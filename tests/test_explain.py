@@ -85,6 +85,28 @@ def test_model_state_is_restored():
     assert not [p for p in model.parameters() if p._post_accumulate_grad_hooks]
 
 
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_buffer_the_forward_assigns_anew_is_restored(scope):
+    """A forward that assigns a new tensor to a buffer (``self.ema = ...``), not in place."""
+
+    class Tracking(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+            self.register_buffer("ema", torch.zeros(2))
+
+        def forward(self, x):
+            y = self.fc(x)
+            self.ema = self.ema * 0.5 + y.detach().mean(0)
+            return y
+
+    model = Tracking()
+    ema = model.ema
+    fxgrad.explain(model, torch.randn(4, 3), backend=aot(fxgrad.clip_by_norm(1e-3), scope=scope))
+    assert model.ema is ema and torch.equal(ema, torch.zeros(2))
+    assert model.state_dict(keep_vars=True)["ema"] is ema
+
+
 def test_loss_is_sum_of_floating_outputs_without_loss_attribute():
     class TwoHeads(nn.Module):
         def __init__(self):

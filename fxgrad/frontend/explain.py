@@ -319,7 +319,12 @@ class _restored:
 
     def __enter__(self) -> None:
         self.grads = {p: p.grad for p in self.model.parameters()}
-        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        # each buffer's module and name too: a forward may assign a new tensor (self.ema = ...)
+        self.buffers = [
+            (module, name, b, b.detach().clone())
+            for module in self.model.modules()
+            for name, b in module.named_buffers(recurse=False)
+        ]
         for p in self.grads:
             p.grad = None
         self.rng = torch.random.fork_rng()
@@ -328,7 +333,9 @@ class _restored:
     def __exit__(self, *exc: Any) -> None:
         self.rng.__exit__(*exc)
         with torch.no_grad():
-            for buffer, saved in self.buffers:
+            for module, name, buffer, saved in self.buffers:
+                if getattr(module, name, None) is not buffer:
+                    setattr(module, name, buffer)
                 buffer.copy_(saved)
         for p, grad in self.grads.items():
             p.grad = grad
