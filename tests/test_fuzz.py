@@ -449,7 +449,13 @@ ARGUMENTS = {
 @st.composite
 def leaves(draw) -> LeafSpec:
     name = draw(st.sampled_from(sorted(ARGUMENTS)))
-    return leaf(name, **draw(st.fixed_dictionaries(ARGUMENTS[name])))
+    kwargs = draw(st.fixed_dictionaries(ARGUMENTS[name]).filter(_does_something))
+    return leaf(name, **kwargs)
+
+
+def _does_something(kwargs: dict) -> bool:
+    """Not ``rescale(alpha=0)`` without a multiplier, which is refused (it leaves every gradient)."""
+    return kwargs.get("alpha") != 0.0 or bool(kwargs.get("multipliers"))
 
 
 def policies(depth: int = 2):

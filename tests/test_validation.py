@@ -34,6 +34,9 @@ CASES = [
     (lambda: fxgrad.rescale(multipliers={3: 2.0}), TypeError, "multipliers"),
     (lambda: fxgrad.rescale(multipliers=[("*", 2.0)]), TypeError, "multipliers"),
     (lambda: fxgrad.rescale(multipliers=(("a", 1.0), ("a", 2.0))), ValueError, "multipliers"),
+    (lambda: fxgrad.rescale(multipliers=(("a",),)), TypeError, "multipliers"),
+    (lambda: fxgrad.rescale(alpha=0), ValueError, "alpha=0"),  # a rule that does nothing
+    (lambda: fxgrad.rescale(alpha=0, multipliers={"a": 1.0}, apply_to="update"), ValueError, "alpha=0"),
     (lambda: fxgrad.chain(fxgrad.clip_by_norm(1.0), "clip"), TypeError, "chain"),
     (lambda: fxgrad.chain(torch.nn.utils.clip_grad_norm_), TypeError, "chain"),
     (lambda: fxgrad.by_type({"Linear": fxgrad.clip_by_norm(1.0)}), TypeError, "by_type"),

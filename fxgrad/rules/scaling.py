@@ -56,7 +56,8 @@ class Rescale(ScaleLeaf):
       matching key gives ``m_l`` (keys match as :mod:`fxgrad.core.match`
       says), default 1.
 
-    ``alpha=0`` leaves only the multipliers. Skipped (norm) layers are untouched.
+    ``alpha=0`` leaves only the multipliers (without one other than 1 the rule would do
+    nothing: ``ValueError``). Skipped (norm) layers are untouched.
 
     ``apply_to="update"`` multiplies each layer's optimizer update by the factor
     instead of its gradient: a per-layer learning-rate scale, which acts under
@@ -104,6 +105,8 @@ class Rescale(ScaleLeaf):
             raise ValueError(f"decay is the EMA of target='ema'; target={target!r} has none, got decay={decay!r}")
         multipliers = {} if self.multipliers is None else self.multipliers
         if isinstance(multipliers, tuple):  # already pairs: dataclasses.replace() builds the rule again
+            if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in multipliers):
+                raise TypeError(f"multipliers must be a mapping {{key: multiplier}}, got {multipliers!r}")
             keys = [key for key, _ in multipliers]
             twice = [key for i, key in enumerate(keys) if key in keys[:i]]
             if twice:
@@ -118,8 +121,14 @@ class Rescale(ScaleLeaf):
             )
             for key, value in multipliers.items()
         )
+        alpha = validate.non_negative("alpha", self.alpha)
+        if alpha == 0 and all(value == 1 for _, value in pairs):
+            raise ValueError(
+                "alpha=0 leaves only the multipliers, and multipliers gives none other than 1: rescale would "
+                "leave every gradient as it is; give alpha > 0 or a multiplier"
+            )
         self.set(
-            alpha=validate.non_negative("alpha", self.alpha),
+            alpha=alpha,
             target=target,
             multipliers=pairs,
             every=every,
