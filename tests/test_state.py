@@ -233,10 +233,17 @@ def test_skip_nonfinite_zeroes_the_step_and_step_if_finite_skips_it(scope):
     assert backend.stats()["nonfinite_steps"].item() == 1
 
 
-def test_step_if_finite_needs_skip_nonfinite():
-    backend = fxgrad.backend(fxgrad.clip_by_norm(1.0))
+def test_step_if_finite_needs_skip_nonfinite_its_arguments_and_a_backward():
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1)
     with pytest.raises(ValueError, match="skip_nonfinite"):
-        fxgrad.step_if_finite(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1), backend)
+        fxgrad.step_if_finite(optimizer, fxgrad.backend(fxgrad.clip_by_norm(1.0)))
+    backend = fxgrad.backend(fxgrad.chain(fxgrad.skip_nonfinite(), fxgrad.clip_by_global_norm(1.0)), scope="graph")
+    with pytest.raises(TypeError, match="backend must be"):
+        fxgrad.step_if_finite(backend, optimizer)  # swapped
+    with pytest.raises(TypeError, match="optimizer must be"):
+        fxgrad.step_if_finite(None, backend)
+    with pytest.raises(RuntimeError, match="the policy has not run yet"):
+        fxgrad.step_if_finite(optimizer, backend)
 
 
 def test_grad_scaler_parity_and_scale_changes_without_recompiling():

@@ -146,11 +146,20 @@ def step_if_finite(optimizer: Any, backend: Any) -> bool:
     the device, which **costs one host sync** per call: the price of deciding
     on the host whether to step. Returns whether it stepped.
     """
+    if not callable(getattr(optimizer, "step", None)):
+        raise TypeError(f"optimizer must be an optimizer, with step(), got {type(optimizer).__name__}")
+    if not hasattr(backend, "store") or not callable(getattr(backend, "current_scope", None)):
+        raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
+    if backend.transform is None or not any(leaf.name == SkipNonfinite.name for leaf in backend.transform.leaves()):
+        raise ValueError("step_if_finite needs fxgrad.skip_nonfinite() in the backend's policy")
     if backend.current_scope() == "step":
         backend.step()  # the policy runs now, so the flag below is this step's
     flag = backend.store.values(stats=True).get("nonfinite_step")  # a live view: no copy of every stat
     if flag is None:
-        raise ValueError("step_if_finite needs fxgrad.skip_nonfinite() in the backend's policy")
+        raise RuntimeError(
+            "step_if_finite: the policy has not run yet (no backward through the backend's compiled graphs), "
+            "so there is no non-finite flag to read"
+        )
     if flag.item() != 0:  # the documented host sync: the host decides whether to step
         return False
     optimizer.step()
