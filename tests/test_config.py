@@ -165,6 +165,32 @@ def test_routers_and_skip_in_config():
         ({"transform": {"clip_by_norm": {"max_nrom": 1.0}}}, TypeError, "clip_by_norm takes no argument 'max_nrom'"),
         ({"transform": {"by_type": {"mapping": {nn.LSTM: {"monitor": {}}}}}}, TypeError, "dotted path as a string"),
         ({"transform": {"by_name": {"mapping": {1: {"monitor": {}}}}}}, TypeError, "by_name keys must be"),
+        (  # two spellings of one key: refused, not merged with the last one winning
+            {
+                "transform": {
+                    "by_type": {
+                        "mapping": {
+                            "torch.nn.Linear": {"monitor": {}},
+                            "torch.nn.modules.linear.Linear": {"monitor": {}},
+                        }
+                    }
+                }
+            },
+            ValueError,
+            "by_type mapping: 'torch.nn.Linear' and 'torch.nn.modules.linear.Linear' name the same key",
+        ),
+        (
+            {
+                "transform": {
+                    "rescale": {
+                        "multipliers": {"type:torch.nn.Linear": 2.0, "type:torch.nn.modules.linear.Linear": 3.0}
+                    }
+                }
+            },
+            ValueError,
+            "rescale multipliers: .* name the same key",
+        ),
+        ({"transform": {"multi_normalize": {"schedule": {"0": ["l2"], "00": ["linf"]}}}}, ValueError, "same key"),
     ],
 )
 def test_bad_config_is_rejected(spec, error, match):

@@ -34,7 +34,7 @@ import dataclasses
 import importlib
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from fxgrad.core.layers import DEFAULT_SKIP
 from fxgrad.core.rule import Transform
@@ -108,7 +108,7 @@ def parse_transform(spec: Any) -> Transform:
     for field in dataclasses.fields(RULES[name]):
         value, convert = arguments.get(field.name), KEY_SPELLINGS.get(field.metadata.get("config"))
         if convert is not None and isinstance(value, Mapping):
-            arguments[field.name] = {convert(key): item for key, item in value.items()}
+            arguments[field.name] = _converted(f"{name} {field.name}", value, convert)
     known = {field.name for field in dataclasses.fields(RULES[name]) if field.init}
     unknown = sorted(set(arguments) - known)
     if unknown:
@@ -128,6 +128,19 @@ def _type_or_pattern(entry: Any) -> Any:
     return entry
 
 
+def _converted(what: str, mapping: Mapping[Any, Any], convert: Callable[[Any], Any]) -> dict[Any, Any]:
+    """``mapping`` with each key converted; two spellings of one key (``"torch.nn.Linear"`` and
+    ``"torch.nn.modules.linear.Linear"``, ``"5"`` and ``"05"``) are refused, not merged."""
+    converted: dict[Any, Any] = {}
+    spelled: dict[Any, Any] = {}
+    for key, value in mapping.items():
+        new = convert(key)
+        if new in converted:
+            raise ValueError(f"{what}: {spelled[new]!r} and {key!r} name the same key")
+        converted[new], spelled[new] = value, key
+    return converted
+
+
 KEY_SPELLINGS = {"layer_keys": _type_or_pattern, "step_keys": _step}
 """How a config file spells the keys of a rule field marked ``config=...`` (see :func:`fxgrad.core.rule.field`)."""
 
@@ -140,7 +153,8 @@ def _router(name: str, arguments: Mapping[str, Any]) -> Transform:
     if not isinstance(mapping, Mapping):
         raise TypeError(f"{name} mapping must be a dict, got {mapping!r}")
     # by_name checks its keys itself: a config spells them as it would
-    routes = {(import_class(k) if name == "by_type" else k): parse_transform(v) for k, v in mapping.items()}
+    keys = _converted(f"{name} mapping", mapping, import_class if name == "by_type" else lambda key: key)
+    routes = {key: parse_transform(value) for key, value in keys.items()}
     default = arguments.get("default")
     return ROUTERS[name](routes, default=None if default is None else parse_transform(default))
 
