@@ -62,6 +62,8 @@ CASES = [
     (lambda: fxgrad.monitor(check_ranks=1), TypeError, "check_ranks"),
     (lambda: fxgrad.backend(fxgrad.clip_by_norm(1.0), scaler=object()), TypeError, "scaler"),
     (lambda: fxgrad.normalize("l1"), ValueError, "norm"),
+    (lambda: fxgrad.normalize(2), TypeError, "norm"),
+    (lambda: fxgrad.multi_normalize((1.0,)), TypeError, "norms"),
     (lambda: fxgrad.normalize(scale=0), ValueError, "scale"),
     (lambda: fxgrad.normalize(eps=-1), ValueError, "eps"),
     (lambda: fxgrad.multi_normalize(("l2", "l3")), ValueError, "norms"),

@@ -59,9 +59,8 @@ class Normalize(ScaleLeaf):
     eps: float = 1e-8
 
     def __post_init__(self) -> None:
-        if self.norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
         self.set(
+            norm=validate.choice("norm", self.norm, NORMS),
             scale=validate.positive("scale", self.scale, allow_inf=False),
             eps=validate.positive("eps", self.eps, allow_inf=False),
         )
@@ -244,8 +243,7 @@ def _norm_list(name: str, norms) -> tuple[str, ...]:
     if isinstance(norms, str) or not isinstance(norms, Sequence) or not norms:
         raise TypeError(f"{name} must be a non-empty tuple of norm names, got {norms!r}")
     for norm in norms:
-        if norm not in NORMS:
-            raise ValueError(f"{name} entries must be in {NORMS}, got {norm!r}")
+        validate.choice(f"{name} entries", norm, NORMS)
     return tuple(dict.fromkeys(norms))
 
 
