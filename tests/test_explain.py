@@ -86,7 +86,7 @@ def test_model_state_is_restored():
 
 
 @pytest.mark.parametrize("scope", ["graph", "step"])
-def test_a_buffer_the_forward_assigns_anew_is_restored(scope):
+def test_a_buffer_the_forward_assigns_anew_and_an_inputs_gradient_are_restored(scope):
     """A forward that assigns a new tensor to a buffer (``self.ema = ...``), not in place."""
 
     class Tracking(nn.Module):
@@ -102,9 +102,11 @@ def test_a_buffer_the_forward_assigns_anew_is_restored(scope):
 
     model = Tracking()
     ema = model.ema
-    fxgrad.explain(model, torch.randn(4, 3), backend=aot(fxgrad.clip_by_norm(1e-3), scope=scope))
+    x = torch.randn(4, 3, requires_grad=True)  # an input whose gradient the backward writes
+    fxgrad.explain(model, x, backend=aot(fxgrad.clip_by_norm(1e-3), scope=scope))
     assert model.ema is ema and torch.equal(ema, torch.zeros(2))
     assert model.state_dict(keep_vars=True)["ema"] is ema
+    assert x.grad is None
 
 
 def test_loss_is_sum_of_floating_outputs_without_loss_attribute():

@@ -148,8 +148,8 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
     tuple's first element when it is a scalar with a gradient (``(loss, logits)``,
     as with ``return_dict=False``), otherwise the sum of the floating-point
     outputs. ``model`` is left as it
-    was: its gradients, buffers (BatchNorm statistics) and the RNG state are
-    restored afterwards. Coverage problems are reported, not raised. The
+    was: its gradients, buffers (BatchNorm statistics), the gradients of inputs
+    that require grad and the RNG state are restored afterwards. Coverage problems are reported, not raised. The
     backward is of the unscaled loss, so a backend's ``GradScaler`` is left
     out: the graphs shown do not divide the norms by the loss scale.
 
@@ -191,7 +191,8 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
     collector = KernelCollector(lambda: probe.graphs) if kernels else None
     capture = collector.capture() if collector is not None else contextlib.nullcontext()
     set_aside = _compat.compiled_call_set_aside(model)  # compiled in place (backend.compile(..., in_place=True))
-    with _restored(model), handed_back(model), set_aside, warnings.catch_warnings(record=True) as caught, capture:
+    restored = _restored(model, (args, kwargs))
+    with restored, handed_back(model), set_aside, warnings.catch_warnings(record=True) as caught, capture:
         warnings.simplefilter("always", CoverageWarning)
         compiled = probe.compile(model)
         try:
@@ -312,13 +313,16 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 class _restored:
-    """Restore a model's gradients and buffers, and the RNG state, on exit."""
+    """Restore a model's gradients and buffers, the gradients of ``inputs`` (leaf tensors that
+    require grad: the backward writes theirs too), and the RNG state, on exit."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, inputs: Any = ()) -> None:
+        self.model, self.inputs = model, inputs
 
     def __enter__(self) -> None:
         self.grads = {p: p.grad for p in self.model.parameters()}
+        leaves = (t for t in _compat.tensors_in(self.inputs) if t.is_leaf and t.requires_grad)
+        self.grads.update((t, t.grad) for t in leaves if t not in self.grads)
         # each buffer's module and name too: a forward may assign a new tensor (self.ema = ...)
         self.buffers = [
             (module, name, b, b.detach().clone())
