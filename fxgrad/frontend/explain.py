@@ -147,9 +147,9 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
     The loss is ``output.loss`` when the output has one (Hugging Face models), a
     tuple's first element when it is a scalar with a gradient (``(loss, logits)``,
     as with ``return_dict=False``), otherwise the sum of the floating-point
-    outputs. ``model`` is left as it
-    was: its gradients, buffers (BatchNorm statistics), the gradients of inputs
-    that require grad and the RNG state are restored afterwards. Coverage problems are reported, not raised. The
+    outputs. ``model`` is left as it was: its gradients, buffers (BatchNorm
+    statistics), the gradients of inputs that require grad and the RNG state are
+    restored afterwards. Coverage problems are reported, not raised. The
     backward is of the unscaled loss, so a backend's ``GradScaler`` is left
     out: the graphs shown do not divide the norms by the loss scale.
 

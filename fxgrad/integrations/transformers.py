@@ -203,8 +203,8 @@ def prepare(
     ``in_place=True``), and the callback to give the Trainer.
 
     With ``args``, it sets ``max_grad_norm=0`` when it has its default (1.0; the policy replaces the
-    Trainer's clipping); and with
-    ``scope="auto"`` it picks ``scope="step"`` when ``gradient_accumulation_steps > 1``, ``fp16`` or
+    Trainer's clipping); and with ``scope="auto"`` it picks ``scope="step"`` when
+    ``gradient_accumulation_steps > 1``, ``fp16`` or
     ``gradient_checkpointing`` (then the policy runs once per optimizer step on the accumulated, unscaled
     gradient, whatever graph breaks checkpointing makes), else the in-graph scope.
     A setting it cannot reconcile (another ``max_grad_norm``, ``torch_compile=True``, ``fsdp``, ``deepspeed``,
