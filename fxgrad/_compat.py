@@ -48,6 +48,7 @@ __all__ = [
     "grad_scaler_scale",
     "grad_scaler_unscaled",
     "tensor_version",
+    "gradient_version",
     "gradient_versions",
     "has_grad_hooks",
     "backward_pass_id",
@@ -582,14 +583,19 @@ tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 getter, which ``map`` runs over a step's gradients without a Python frame per tensor."""
 
 
-def gradient_versions(grads: Sequence[torch.Tensor]) -> list[int]:
-    """:data:`tensor_version` of each of ``grads``, a count that grows with every in-place change.
-    A DTensor's is the sum of its own and its local tensor's: FSDP2 adds a micro-batch's gradient
+def gradient_version(grad: torch.Tensor) -> int:
+    """:data:`tensor_version` of a gradient, a count that grows with every in-place change. A
+    DTensor's is the sum of its own and its local tensor's: FSDP2 adds a micro-batch's gradient
     into an existing ``.grad`` through ``_local_tensor``, which leaves the DTensor's counter as it
-    was, and a DTensor's own in-place ops (``zero_``) leave the local tensor's. Told by the first
-    gradient (FSDP2's are all DTensors), so a plain list costs one C map."""
+    was, and a DTensor's own in-place ops (``zero_``) leave the local tensor's."""
+    return grad._version + grad._local_tensor._version if isinstance(grad, DTensor) else grad._version
+
+
+def gradient_versions(grads: Sequence[torch.Tensor]) -> list[int]:
+    """:func:`gradient_version` of each of ``grads``. Told by the first gradient (FSDP2's are all
+    DTensors), so a plain list costs one C map."""
     if grads and isinstance(grads[0], DTensor):
-        return [g._version + g._local_tensor._version if isinstance(g, DTensor) else g._version for g in grads]
+        return list(map(gradient_version, grads))
     return list(map(tensor_version, grads))
 
 

@@ -325,7 +325,7 @@ class SeenGrads:
         for p, grad in zip(params, grads):
             if grad is not None:
                 ref, version = self._by_id.get(id(p), (None, None))
-                if ref is None or ref() is not grad or [version] != _compat.gradient_versions([grad]):
+                if ref is None or ref() is not grad or version != _compat.gradient_version(grad):
                     return True
         return False
 
