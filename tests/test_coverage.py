@@ -633,19 +633,29 @@ def test_a_backward_that_bypasses_the_compiled_model_is_reported(call):
         out.sum().backward()
 
 
-def test_parameters_replaced_by_load_state_dict_assign_are_followed(compile_with):
-    """Dynamo passes the new Parameter objects to the same graph: weight reads follow them."""
+@pytest.mark.parametrize("replaced", ["all", "one layer", "a new module"])
+def test_replaced_parameters_are_followed(compile_with, replaced):
+    """Dynamo passes the new Parameter objects to the same graph: weight reads follow them,
+    one layer's in the middle of the model as well as all of them, and no check takes the
+    new ones for gradients of an eager forward."""
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.adaptive_grad_clip(0.05), compiler="aot_eager")
     compiled = compile_with(backend, model)
     x = torch.randn(4, 16)
     models.loss_of(compiled(x)).backward()
+    model.zero_grad()
     old = list(model.parameters())  # still alive, as an optimizer would keep them
-    new_state = {k: v * 0.1 for k, v in model.state_dict().items()}
-    model.load_state_dict(new_state, assign=True)
+    middle = model.net[3]
+    if replaced == "all":
+        model.load_state_dict({k: v * 0.1 for k, v in model.state_dict().items()}, assign=True)
+    elif replaced == "one layer":
+        middle.load_state_dict({k: v * 10 for k, v in middle.state_dict().items()}, assign=True)
+    else:
+        model.net[3] = nn.Linear(64, 64)
     expected = copy.deepcopy(model)
     with coverage_silent():
         models.loss_of(compiled(x)).backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()  # the step's coverage check
     models.loss_of(expected(x)).backward()
     ref.agc(expected, 0.05)
     assert_grads_close(model, expected)

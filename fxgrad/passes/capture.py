@@ -18,6 +18,7 @@ parameters; their sources, evaluated in the frame, give the real ones.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 import weakref
 from typing import Iterator, Sequence
@@ -99,6 +100,8 @@ class CapturedGraph:
     # id() -> the model, weakly, for each model its parameters belong to (ParamSlot.root)
     root_refs: dict = dataclasses.field(default_factory=dict)
     _by_name: dict | None = dataclasses.field(default=None, repr=False)
+    # bound_to's getter of the parameters among a call's inputs, and the bound ones, weakly
+    _bound: tuple | None = dataclasses.field(default=None, repr=False)
 
     def live(self) -> bool:
         return self.compiled is None or self.compiled() is not None
@@ -131,11 +134,16 @@ class CapturedGraph:
         return [self._by_name[name]() for name in names]
 
     def bound_to(self, inputs: Sequence) -> bool:
-        """Whether a call's ``inputs`` are the parameters the graph is bound to, by its first
-        and last (two lookups a call: a new model whose first layers are shared with the old
-        one, a backbone, differs in its last)."""
-        first, last = self.params[0], self.params[-1]
-        return inputs[first.index] is first.tensor() and inputs[last.index] is last.tensor()
+        """Whether a call's ``inputs`` are the parameters the graph is bound to, each of them:
+        one layer's replaced (``load_state_dict(assign=True)``, a new ``nn.Linear``) must be
+        followed, and so must another model sharing the first and last layers (an embedding
+        and a tied head). C maps over the slots, as every forward checks."""
+        if self._bound is None:
+            indices = [p.index for p in self.params]
+            take = operator.itemgetter(*indices) if len(indices) > 1 else lambda inputs: (inputs[indices[0]],)
+            self._bound = take, [p.tensor for p in self.params]
+        take, refs = self._bound
+        return all(map(operator.is_, take(inputs), map(weakref.ref.__call__, refs)))
 
     def rebind(self, inputs: Sequence) -> bool:
         """Follow the parameters a call passes instead of those the graph was compiled
@@ -149,7 +157,7 @@ class CapturedGraph:
     def bind(self, tensors: Sequence[torch.Tensor]) -> None:
         """Read ``tensors`` as the parameters, one per slot, from now on."""
         self.params = [dataclasses.replace(p, tensor=weakref.ref(t)) for p, t in zip(self.params, tensors)]
-        self._by_name = None
+        self._by_name = self._bound = None
 
     def param_names(self) -> set[str]:
         return {p.name for p in self.params}
