@@ -647,9 +647,10 @@ def may_record_grad(gm: torch.fx.GraphModule) -> bool:
     )
 
 
-def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, in as few kernels as torch can."""
-    return list(torch._foreach_norm(tensors))
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, in as few kernels as torch can; computed in ``dtype`` when
+    given (else each tensor's own)."""
+    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
 def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:

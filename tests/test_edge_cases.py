@@ -305,6 +305,67 @@ def test_balance_norms_adds_the_whole_weight_complex_or_float64(dtype):
     assert any(applied), applied
 
 
+class Tied(nn.Module):
+    """Four one-parameter layers whose weight norms are set by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 1, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        return sum(layer(x).sum() for layer in self.layers)
+
+    def set_norms(self, norms):
+        with torch.no_grad():
+            for layer, norm in zip(self.layers, norms):
+                layer.weight.fill_(norm / 2.0)  # 4 elements: the norm is twice each
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_balance_norms_with_tied_weight_norms_pushes_k_layers_each_way(scope):
+    """Norms [3, 2, 2, 2], k=2: one layer up and one down among the tied, as a stable sort
+    picks them; two separate top-k searches picked one tied layer for both."""
+    model = Tied()
+    eager = copy.deepcopy(model)
+    policy = fxgrad.balance_norms(k=2, lam=0.5, every=1, entropy_drop=0.0)
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
+    compiled = backend.compile(model)
+    reference = ref.Balance(k=2, lam=0.5, every=1, entropy_drop=0.0)
+    x = torch.zeros(3, 4)  # no loss gradient: what is left is the push
+    for norms in ([1.0, 1.0, 1.0, 1.0], [3.0, 2.0, 2.0, 2.0]):
+        for net in (model, eager):
+            net.set_norms(norms)
+            net.zero_grad(set_to_none=True)
+        compiled(x).backward()
+        if scope == "step":
+            backend.step()
+        eager(x).backward()
+        applied = reference.step(eager)
+    assert applied
+    assert_grads_close(model, eager)
+    pushes = [layer.weight.grad[0, 0].item() for layer in model.layers]
+    assert sum(p > 0 for p in pushes) == sum(p < 0 for p in pushes) == 2, pushes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_norms_of_low_precision_layers_are_computed_in_float32(dtype):
+    """A bfloat16 layer's norm in bfloat16 was 0.3% off, and a float16 one's above 65504 was
+    inf, which made the trust ratio inf."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 64, bias=False), nn.Linear(64, 64, bias=False), nn.Linear(64, 8, bias=False))
+    model = model.to(dtype)
+    with torch.no_grad():
+        model[0].weight.fill_(400.0)  # its norm, 400 * sqrt(64 * 512) = 72408, is over float16's 65504
+    backend = fxgrad.backend(
+        fxgrad.chain(fxgrad.monitor(weights=True), fxgrad.scale_by_trust_ratio()), compiler="aot_eager"
+    )
+    backend.compile(model)(torch.randn(2, 512, dtype=dtype) * 1e-3).float().sum().backward()
+    stats = backend.stats()
+    for i, layer in enumerate(model):
+        assert stats[f"weight_norm/{i}"].item() == pytest.approx(layer.weight.double().norm().item(), rel=2e-4)
+        assert torch.isfinite(stats[f"trust_ratio/{i}"]) and torch.isfinite(layer.weight.grad).all()
+
+
 class WithEmpty(nn.Module):
     """A layer whose weight has no elements (a (0, n) table: no special tokens configured)."""
 

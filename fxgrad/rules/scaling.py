@@ -375,8 +375,8 @@ class BalanceNorms(Leaf):
         k = min(self.k, len(layers) // 2)
         coef = torch.zeros_like(norms)
         if k > 0:
-            top = torch.topk(norms, k).indices
-            bottom = torch.topk(-norms, k).indices
+            order = torch.sort(norms, stable=True).indices  # ties: two topk calls could pick one layer twice
+            top, bottom = order[-k:], order[:k]
             delta = (norms[top].sum() - norms[bottom].sum()) / (2 * k)
             push = 2 * self.lam * delta  # d/dW of lam * delta * ||W||^2
             coef = coef.index_put((top,), push.expand(k)).index_put((bottom,), (-push).expand(k))
