@@ -175,3 +175,15 @@ def test_lbfgs_is_refused_at_its_step(scope, compile_with):
 
     with pytest.raises(ValueError, match="LBFGS evaluates its closure several times"):
         optimizer.step(closure)
+
+
+def test_low_precision_weights_are_warned_about_once():
+    """bfloat16 weights: the optimizer rounds its step before the factor scales it, so changes
+    under half their precision are lost (a factor of 3 moved them a quarter as far as 3x the
+    learning rate)."""
+    model = mlp().to(torch.bfloat16)
+    forward = fxgrad.backend(STEM_3X, compiler="aot_eager").compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with pytest.warns(RuntimeWarning, match="rounded them to bfloat16") as record:
+        train(model, optimizer, lambda x: forward(x.to(torch.bfloat16)), steps=2)
+    assert sum("rounded them" in str(w.message) for w in record) == 1

@@ -35,10 +35,19 @@ import torch
 import torch.nn as nn
 
 from fxgrad.core.layers import ModelParameters, parameter_owners
+from fxgrad.core.warn import warn
 from fxgrad.frontend.step_check import optimizer_post_hook
 from fxgrad.runtime.state import StateStore
 
 STATISTIC = "update_factor"
+
+ROUNDED = (
+    "fxgrad: apply_to='update' scales what optimizer.step() changed in {dtype} weights, after the optimizer "
+    "rounded them to {dtype}: a change smaller than half the weights' precision is already lost, and the "
+    "factor cannot bring it back (a factor of 3 under AdamW at lr=1e-4 moved bfloat16 weights a quarter as "
+    "far as lr=3e-4 does). Train with float32 weights (autocast for the compute), or give those layers a "
+    "parameter group with their learning rate times the factor."
+)
 
 
 class UpdateFactors:
@@ -53,6 +62,7 @@ class UpdateFactors:
         self._walk = ModelParameters()
         self._layers: tuple[tuple, dict[int, str]] = ((None, None), {})  # (walk, layers), id(parameter) -> layer
         self._before: weakref.WeakKeyDictionary[torch.optim.Optimizer, list] = weakref.WeakKeyDictionary()
+        self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # for low-precision weights
         optimizer_post_hook(self, UpdateFactors.after_step)
 
     def forget(self) -> None:
@@ -77,6 +87,11 @@ class UpdateFactors:
         ]
         if not copies:
             return
+        if optimizer not in self._checked:  # at its first step with factors
+            self._checked.add(optimizer)
+            low = next((p.dtype for p, _, _ in copies if p.dtype in (torch.bfloat16, torch.float16)), None)
+            if low is not None:
+                warn(ROUNDED.format(dtype=str(low).removeprefix("torch.")), RuntimeWarning)
         # A step inside another optimizer's (a wrapper's: Lookahead, ZeroRedundancyOptimizer): the
         # inner update is the one the factor scales; the wrapper leaves these weights alone.
         ids = {id(p) for p, _, _ in copies}
