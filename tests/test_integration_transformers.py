@@ -72,6 +72,18 @@ def test_global_clip_matches_max_grad_norm(tmp_path, accumulate):
         assert entry["fxgrad/grad_norm/total_clipped"] == pytest.approx(max_norm, rel=1e-5)
 
 
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_trainer_that_clips_a_plainly_compiled_model_is_reported(tmp_path, scope):
+    """Handed a model compiled with fxgrad.backend, without prepare(), the Trainer clips with its
+    default max_grad_norm=1.0 besides the policy: a 5.0 clip trained as a 1.0 clip, silently."""
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(5.0), compiler="aot_eager", scope=scope)
+    args = _args(tmp_path, max_steps=2, remove_unused_columns=False)
+    trainer = Trainer(model=torch.compile(_gpt2(), backend=backend), args=args, train_dataset=_data())
+    when = "before" if scope == "step" else "after"
+    with pytest.warns(fxgrad.CoverageWarning, match=rf"clips the gradients itself, max_grad_norm=1.0 .*, {when} the"):
+        trainer.train()
+
+
 def test_conflicting_arguments_raise(tmp_path):
     policy = fxgrad.clip_by_global_norm(1.0)
     with pytest.raises(ValueError, match=r"TrainingArguments\(max_grad_norm=0.5\) clips the gradients again"):

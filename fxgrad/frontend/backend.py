@@ -46,6 +46,7 @@ from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
 from fxgrad.frontend.step_check import (
     LOOSE,
+    TRAINER_CLIPS,
     StepCheck,
     hand_over,
     policed_elsewhere,
@@ -53,6 +54,7 @@ from fxgrad.frontend.step_check import (
     report_outside,
     stepped_ids,
     superseded,
+    trainer_clip,
 )
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
@@ -622,6 +624,10 @@ class Backend:
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
                 warn(why, CoverageWarning)
+            max_norm = trainer_clip()
+            if max_norm is not None:
+                when = "before" if self.current_scope() == "step" else "after"
+                warn(TRAINER_CLIPS.format(max_norm=max_norm, when=when, transform=self.transform), CoverageWarning)
             if self.current_scope() == "step":  # graph scope: the step check reports them
                 loose = self._loose_parameters()
                 if loose:

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import itertools
 import operator
+import sys
 import weakref
 from typing import Any, Callable, Collection, Iterator, Sequence
 
@@ -85,6 +86,34 @@ LOOSE = (
     "(model.register_parameter(name, parameter), or a submodule holding them) for step scope to cover "
     "them, or use scope='graph'."
 )
+
+
+TRAINER_CLIPS = (
+    "fxgrad: the Hugging Face Trainer stepping this optimizer clips the gradients itself, "
+    "max_grad_norm={max_norm} (1.0 is TrainingArguments' default), {when} the policy {transform!r}: two "
+    "policies, and its clip wins where it is tighter. Set max_grad_norm=0 (for the same clip, put "
+    "fxgrad.clip_by_global_norm({max_norm}) in the policy), or let "
+    "fxgrad.integrations.transformers.prepare(model, policy, args) set the Trainer up."
+)
+
+
+def trainer_clip() -> float | None:
+    """The ``max_grad_norm`` of a Hugging Face ``Trainer`` on the call stack that clips the
+    gradients itself (its default, 1.0, does), or ``None``: a model compiled with
+    ``fxgrad.backend`` and handed to a Trainer without
+    :func:`fxgrad.integrations.transformers.prepare`, whose callback refuses the setting. Walks
+    the stack: for a check once per optimizer."""
+    module = sys.modules.get("transformers.trainer")
+    if module is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        trainer = frame.f_locals.get("self")
+        if isinstance(trainer, module.Trainer):
+            max_norm = getattr(trainer.args, "max_grad_norm", None)
+            return max_norm if max_norm else None
+        frame = frame.f_back
+    return None
 
 
 def stepped_ids(optimizer: torch.optim.Optimizer) -> set[int]:
