@@ -182,6 +182,32 @@ def test_ordinary_loops_raise_no_warning(compile_with):
     del unused
 
 
+@pytest.mark.parametrize("policy", ["global", "by_name"])
+def test_a_submodule_compiled_with_the_models_backend_is_named_as_in_the_model(policy):
+    """m.fc = torch.compile(m.fc, backend=b), then torch.compile(m, backend=b): Dynamo traces the
+    inner module inline, and its parameters are layers of the outer model (named ``2``), not
+    of the inner one (named ``""``): no false CoverageError, and ``by_name`` reaches them
+    (compiling the inner module alone warns that the key matches none of its layers)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    eager = copy.deepcopy(model)
+    transform = (
+        fxgrad.clip_by_global_norm(0.05) if policy == "global" else fxgrad.by_name({"2": fxgrad.clip_by_norm(0.05)})
+    )
+    backend = fxgrad.backend(transform, compiler="aot_eager")
+    model[2] = torch.compile(model[2], backend=backend)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 8)
+    with coverage_silent():
+        compiled(x).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()  # the step's coverage check
+    eager(x).sum().backward()
+    if policy == "global":
+        ref.clip_global(eager, 0.05)
+    else:
+        torch.nn.utils.clip_grad_norm_(eager[2].parameters(), 0.05)
+    assert_grads_close(model, eager)
+
+
 class Branches(nn.Module):
     def __init__(self):
         super().__init__()

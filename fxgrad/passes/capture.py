@@ -200,8 +200,11 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
                 real = _evaluate(chain[-1], scope)
                 value = real if isinstance(real, nn.Parameter) and real.shape == value.shape else value
             # A known model first: in a frame compiled after a graph break inside a
-            # submodule's forward, the outermost module in scope is that submodule.
-            home = next((roots[key].module() for key, known in owners.items() if id(value) in known), None)
+            # submodule's forward, the outermost module in scope is that submodule. Of two
+            # known models that hold it, the outer one (a submodule compiled with the same
+            # backend as its model holds fewer parameters).
+            holders = [key for key, known in owners.items() if id(value) in known]
+            home = roots[max(holders, key=lambda key: len(owners[key]))].module() if holders else None
             found.append((index, value, chain, home if home is not None else _find_root(chain, scope)))
     modules = {id(root): (root, chain[0]) for _, _, chain, root in found if root is not None}
     # the modules some of whose parameters this graph may compute gradients of
