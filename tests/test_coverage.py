@@ -791,6 +791,21 @@ def test_one_optimizer_over_models_compiled_one_by_one_is_reported_in_graph_scop
     )
 
 
+def test_one_optimizer_over_models_of_one_class_compiled_one_by_one_is_reported():
+    """An ensemble: Dynamo runs one graph for both models (the same code), so the graph holds one
+    model's parameters at a time, and each call clips that model's norm alone."""
+    torch.manual_seed(0)
+    members = [models.MLP(), models.MLP()]
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.5), compiler="aot_eager")
+    compiled = [torch.compile(member, backend=backend) for member in members]
+    optimizer = torch.optim.SGD([p for member in members for p in member.parameters()], lr=0.1)
+    x = torch.randn(4, 16)
+    with pytest.warns(fxgrad.CoverageWarning, match="Dynamo reuses the graph"):
+        sum(models.loss_of(net(x)) for net in compiled).backward()
+    with pytest.raises(fxgrad.CoverageError, match=r"steps the parameters of 2 models .* \(MLP, MLP\)"):
+        optimizer.step()
+
+
 def test_models_compiled_one_by_one_with_an_optimizer_each_are_not_reported():
     """A GAN: each optimizer steps one model, and each model's own norm is the one meant."""
     encoder, head = encoder_and_head()

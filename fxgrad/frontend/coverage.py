@@ -279,6 +279,15 @@ class CoverageCheck:
             for slot in graph.params:
                 if slot.root in live and id(slot.tensor()) in stepped:
                     roots.setdefault(slot.root, graph.root_refs[slot.root]())
+            # ... or ran with: Dynamo runs one graph for models of one class (an ensemble)
+            reused = {key for key, _, _ in graph.reused_layers()} & stepped
+            for key, root in registry.roots.items() if reused else ():
+                model = root.module()
+                if model is not None and any(id(p) in reused for p in model.parameters()):
+                    roots.setdefault(key, model)
+        # a model inside another counted one (a submodule compiled with the same backend) is not one more
+        inside = {id(m) for model in roots.values() if model is not None for m in model.modules() if m is not model}
+        roots = {key: model for key, model in roots.items() if key not in inside}
         if len(roots) < 2 or any(graph.roots() >= roots.keys() for graph in graphs):
             return
         models = sorted(type(model).__name__ for model in roots.values() if model is not None)
