@@ -304,6 +304,35 @@ def fsdp2(
 
 
 @on_each_rank
+def fsdp2_balance_norms(rank: int, world: int) -> None:
+    """``balance_norms`` reads whole weights, on uneven and empty shards too (the head's one row):
+    equal to one process, pushes included."""
+    model, x = model_and_data(outputs=1)
+    whole = copy.deepcopy(model)
+    shard_layers(model)
+    settings = dict(k=1, lam=0.5, every=1, entropy_drop=0.0)
+    backend = fxgrad.backend(fxgrad.balance_norms(**settings), compiler="aot_eager", scope="step")
+    reference = ref.Balance(**settings)
+    applied = []
+    for _ in range(2):
+        for net in (model, whole):
+            net.zero_grad()
+            with torch.no_grad():  # the weight norm moves into the first layer: the entropy drops
+                net[0].weight.mul_(3.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # it runs eagerly on the DTensors, and says so
+            loss(model(half(x, rank, world))).backward()
+            backend.step(model)
+        loss(whole(x)).backward()
+        applied.append(reference.step(whole))
+    assert applied == [False, True], applied
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(
+            p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5 * q.grad.abs().max().item(), msg=name
+        )
+
+
+@on_each_rank
 def fsdp2_in_graph_scope(rank: int, world: int, wrapper: str) -> None:
     """scope="graph" on an FSDP2 model: its forward gathers the parameters outside the compiled
     graphs, so the policy would do nothing; refused, naming step scope."""

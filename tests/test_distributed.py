@@ -71,6 +71,10 @@ def test_fsdp2_row_rules_with_a_rank_of_empty_shards(policy):
     launch(checks.fsdp2, policy, None, "aot_eager", 1)
 
 
+def test_fsdp2_balance_norms_on_uneven_shards_equals_one_process():
+    launch(checks.fsdp2_balance_norms)
+
+
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_fsdp2_step_program_on_local_shards_equals_one_process(compiler):
     launch(checks.fsdp2_program_steps, compiler)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from fxgrad import _compat
 from fxgrad.core.layers import Layer
@@ -294,8 +295,8 @@ class RouteContext:
         shapes = [[tuple(p.shape) for p in layer_params] for layer_params in params()]
         dtype = functools.reduce(torch.promote_types, [p.dtype for ps in params() for p in ps], torch.float32)
 
-        def read() -> torch.Tensor:
-            return torch.cat([p.reshape(-1) for layer_params in params() for p in layer_params])
+        def read() -> torch.Tensor:  # DTensor weights whole on every rank: uneven shards do not flatten
+            return torch.cat([_whole(p).reshape(-1) for layer_params in params() for p in layer_params])
 
         return _split(self._external("weights", read, _numel(shapes), dtype=dtype), shapes)
 
@@ -327,6 +328,14 @@ def _split(values: torch.Tensor, shapes: list[list[Shape]]) -> list[list[torch.T
     slice per parameter: each op costs a fake dispatch when it is recorded)."""
     pieces = iter(values.split_with_sizes([math.prod(shape) for layer in shapes for shape in layer]))
     return [[next(pieces).view(shape) for shape in layer] for layer in shapes]
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """``param``, replicated on every rank if it is a DTensor (still a DTensor, so that it meets
+    the DTensor gradients of its layer in the rule's ops)."""
+    if isinstance(param, DTensor) and not all(p.is_replicate() for p in param.placements):
+        return param.redistribute(param.device_mesh, [Replicate()] * param.device_mesh.ndim)
+    return param
 
 
 def _row_shape(param: torch.Tensor) -> tuple[int, ...]:
