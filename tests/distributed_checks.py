@@ -424,6 +424,52 @@ NONFINITE = {  # with a NaN in w2.weight's gradient, on rank 0's shard only
 }
 
 
+class SequenceParallelNorm(nn.Module):
+    """torchtitan's plan for a norm: under ``SequenceParallel`` its weight's gradient is a DTensor
+    partial over the ranks (each holds its sequence shard's sum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.RMSNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+@on_each_rank
+def tensor_parallel_partial_gradients(rank: int, world: int) -> None:
+    """Element-wise rules on a partial gradient: DTensor computes them on the all-reduced sum and
+    returns it replicated, which step scope writes back as each rank's share of the sum. A NaN
+    in rank 0's share is a NaN of the sum (``NONFINITE``); ``clip_by_value`` runs without one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    clip = lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 1e-3)  # noqa: E731  the norm too: skip=()
+    policies = {**NONFINITE, "clip_by_value": (lambda: fxgrad.clip_by_value(1e-3), clip)}
+    for policy, (make, reference) in policies.items():
+        model = SequenceParallelNorm()
+        whole = copy.deepcopy(model)
+        nan = policy in NONFINITE
+        loss(whole(x)).backward()
+        if nan:
+            whole.norm.weight.grad[0] = float("nan")
+        reference(whole)
+        plan = {"norm": SequenceParallel(), "proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+        parallelize_module(model, mesh, plan)
+        loss(model(x)).backward()
+        assert model.norm.weight.grad.placements == (Partial(),)
+        if nan and rank == 0:
+            model.norm.weight.grad.to_local()[0] = float("nan")
+        fxgrad.backend(make(), compiler="aot_eager", scope="step", skip=()).step(model)
+        assert model.norm.weight.grad.placements == (Partial(),)  # in place
+        for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{policy}: {name}")
+
+
 @on_each_rank
 def tensor_parallel(rank: int, world: int, dp: int) -> None:
     """scope="step" on a tensor-parallel Llama block equals one process on the whole batch, for

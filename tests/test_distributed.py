@@ -89,6 +89,10 @@ def test_tensor_parallel_equals_one_process_on_the_whole_batch():
     launch(checks.tensor_parallel, 1)
 
 
+def test_tensor_parallel_partial_gradients_under_element_wise_rules():
+    launch(checks.tensor_parallel_partial_gradients)
+
+
 def test_fsdp2_by_tensor_parallel_equals_one_process_on_the_whole_batch():
     launch(checks.tensor_parallel, 2, world=4)  # a (dp=2, tp=2) mesh: ~70 s on 2 cores
 

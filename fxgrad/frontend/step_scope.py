@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat
@@ -127,11 +127,22 @@ def apply_to_grads(
 
 
 def _placed_like(value: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``value`` with ``grad``'s placements: a DTensor rule's result on a rank's empty shard (a
-    2-row head on 4 ranks) can come back replicated, which ``copy_`` will not redistribute."""
-    if isinstance(grad, DTensor) and isinstance(value, DTensor) and value.placements != grad.placements:
-        return value.redistribute(grad.device_mesh, grad.placements)
-    return value
+    """``value`` with ``grad``'s placements, which ``grad.copy_`` needs.
+
+    A DTensor rule's result can come back replicated: on a rank's empty shard (a 2-row head on
+    4 ranks), and from an element-wise rule (``zero_nonfinite``) on a gradient partial over the
+    ranks (tensor parallelism's ``SequenceParallel`` norms), where DTensor all-reduces first. It
+    will not make a replicated value partial; a partial sum is then each rank's equal share."""
+    if not (isinstance(grad, DTensor) and isinstance(value, DTensor)) or value.placements == grad.placements:
+        return value
+    mesh, placements = grad.device_mesh, grad.placements
+    if not any(p.is_partial() for p in placements):
+        return value.redistribute(mesh, placements)
+    local = value.redistribute(mesh, [Replicate() if p.is_partial() else p for p in placements]).to_local()
+    for dim, placement in enumerate(placements):
+        if placement.is_partial() and placement.reduce_op == "sum":
+            local = local / mesh.size(dim)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=grad.shape, stride=grad.stride())
 
 
 SAME_NAMES = (
