@@ -677,3 +677,17 @@ def test_a_model_compiled_in_place_keeps_its_class_keys_signature_and_checks(sco
     torch.testing.assert_close(total, torch.tensor(1e-3), rtol=1e-4, atol=0)
     with pytest.raises(TypeError, match="in_place must be True or False"):
         backend.compile(TwoOutputs(), in_place="yes")
+
+
+def test_graph_scope_on_tensor_parallel_parameters_names_step_scope():
+    """The backward returns DTensor parameters' inner tensors, which graph scope cannot place:
+    the error says why and what to use."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    with one_process_group():
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="graph")
+        with pytest.raises(fxgrad.passes.GraphMismatchError, match=r"DTensors \(tensor parallelism\).*scope='step'"):
+            torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.fx
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat, passes
@@ -85,6 +86,13 @@ SCALED_IN_GRAPH = (
     "the backward graph ran the policy {transform!r} on the gradients the scaler had scaled, so its norms "
     "were the loss scale times too large. Build the backend with fxgrad.backend(..., scaler=scaler), which "
     "reads the scale on the device, or use scope='step', which runs after scaler.unscale_()."
+)
+
+DTENSOR_IN_GRAPH = (
+    "The parameters are DTensors (tensor parallelism), and the backward returns their inner tensors: "
+    "scope='graph' cannot place their gradients. Use fxgrad.backend(..., scope='step') (the default, "
+    "scope='auto', in a multi-process job), which applies the policy to the DTensor gradients at "
+    "optimizer.step() (docs/distributed.md, Tensor parallelism)"
 )
 
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
@@ -469,12 +477,14 @@ class Backend:
         graph.reads_weights = False  # until a rule looks parameters up (graph.tensors)
         try:
             outputs = passes.gradient_outputs(gm, graph.num_inputs)
-        except passes.GraphMismatchError:
+        except passes.GraphMismatchError as error:
             # DTensor parameters (tensor parallelism): the backward returns their inner tensors.
             # Step scope never touches the backward; graph scope cannot place the gradients.
-            if self.transform is None or self.current_scope() != "step":
-                raise
-            return
+            if self.transform is not None and self.current_scope() == "step":
+                return
+            if any(isinstance(slot.tensor(), DTensor) for slot in graph.params):
+                raise passes.GraphMismatchError(f"{error}. {DTENSOR_IN_GRAPH}") from error
+            raise
         has_grad = {i for i, node in enumerate(outputs) if node is not None}
         plan = plan_graph(self.transform, graph, has_grad, self.registry.forward_order(), self.skip)
         graph.layers = list(plan.layers)
