@@ -691,3 +691,18 @@ def test_graph_scope_on_tensor_parallel_parameters_names_step_scope():
         backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="graph")
         with pytest.raises(fxgrad.passes.GraphMismatchError, match=r"DTensors \(tensor parallelism\).*scope='step'"):
             torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
+
+
+def test_balance_norms_over_mixed_dtensor_and_plain_weights_is_refused():
+    """Its weights, one flat tensor, cannot mix the two; DTensor's own error named neither."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    with one_process_group():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 2))  # the head outside the plan
+        parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        backend = fxgrad.backend(fxgrad.balance_norms(k=1), compiler="aot_eager", scope="step")
+        model(torch.randn(4, 8)).sum().backward()
+        with pytest.raises(ValueError, match="mix DTensors and plain tensors"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # it runs eagerly on the DTensors, and says so
+            backend.step(model)

@@ -293,6 +293,12 @@ class RouteContext:
         """
         params = self._params()
         shapes = [[tuple(p.shape) for p in layer_params] for layer_params in params()]
+        if len({isinstance(p, DTensor) for layer_params in params() for p in layer_params}) > 1:
+            raise ValueError(
+                f"fxgrad: {self.key} reads the weights themselves, and these mix DTensors and plain tensors "
+                "(tensor parallelism, with modules outside the plan): not supported. Route it to the "
+                "parallelized layers only (by_name, by_type), or leave it out under tensor parallelism"
+            )
         dtype = functools.reduce(torch.promote_types, [p.dtype for ps in params() for p in ps], torch.float32)
 
         def read() -> torch.Tensor:  # DTensor weights whole on every rank: uneven shards do not flatten
