@@ -101,17 +101,21 @@ def trainer_clip() -> float | None:
     """The ``max_grad_norm`` of a Hugging Face ``Trainer`` on the call stack that clips the
     gradients itself (its default, 1.0, does), or ``None``: a model compiled with
     ``fxgrad.backend`` and handed to a Trainer without
-    :func:`fxgrad.integrations.transformers.prepare`, whose callback refuses the setting. Walks
-    the stack: for a check once per optimizer."""
+    :func:`fxgrad.integrations.transformers.prepare`, whose callback refuses the setting.
+
+    Walks the stack, for a check once per optimizer, reading the locals of the Trainer's own
+    frames only: reading a frame's locals keeps a copy of them on it, and a test's or a
+    loop's frame would then keep alive what its code has deleted since."""
     module = sys.modules.get("transformers.trainer")
     if module is None:
         return None
     frame = sys._getframe(1)
     while frame is not None:
-        trainer = frame.f_locals.get("self")
-        if isinstance(trainer, module.Trainer):
-            max_norm = getattr(trainer.args, "max_grad_norm", None)
-            return max_norm if max_norm else None
+        if frame.f_code.co_filename == module.__file__:
+            trainer = frame.f_locals.get("self")
+            if isinstance(trainer, module.Trainer):
+                max_norm = getattr(trainer.args, "max_grad_norm", None)
+                return max_norm if max_norm else None
         frame = frame.f_back
     return None
 
