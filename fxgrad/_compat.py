@@ -51,6 +51,7 @@ __all__ = [
     "gradient_version",
     "gradient_versions",
     "has_grad_hooks",
+    "accumulated_leaves",
     "backward_pass_id",
     "compiled_backward_nodes",
     "layout_check",
@@ -614,6 +615,16 @@ def compiled_backward_nodes(outputs: Any) -> set:
         for t in tensors_in(outputs)
         if t.grad_fn is not None and type(t.grad_fn).__name__ == "CompiledFunctionBackward"
     }
+
+
+def accumulated_leaves(node: Any) -> list[torch.Tensor | None]:
+    """For each input of the autograd ``node``, in the order of the gradients it returns: the
+    leaf tensor whose ``.grad`` that gradient goes to (its next function is an
+    ``AccumulateGrad``), else ``None``."""
+    return [
+        fn.variable if fn is not None and type(fn).__name__ == "AccumulateGrad" else None
+        for fn, _ in node.next_functions
+    ]
 
 
 def has_grad_hooks(tensor: torch.Tensor) -> bool:

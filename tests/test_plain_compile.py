@@ -706,3 +706,48 @@ def test_balance_norms_over_mixed_dtensor_and_plain_weights_is_refused():
         with pytest.raises(ValueError, match="mix DTensors and plain tensors"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # it runs eagerly on the DTensors, and says so
             backend.step(model)
+
+
+@pytest.mark.parametrize("outside", ["l2 penalty", "head reused", "clip after the policy"])
+def test_gradients_changed_outside_the_compiled_backward_are_reported(outside, compile_with):
+    """Graph scope transforms what the compiled backward returns; autograd adds the gradient of
+    an eager use of the same parameter after it, and a clip before the step changes it: the
+    policy never saw either. Reported once, naming the layers; step scope reads the sum."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    compiled = compile_with(backend, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = compiled(x).pow(2).mean()
+            if outside == "l2 penalty":
+                loss = loss + 1e-2 * sum(p.pow(2).sum() for p in model.parameters())
+            elif outside == "head reused":
+                loss = loss + (x[:, :2] @ model[2].weight[:, :2].T).sum()
+            loss.backward()
+            if outside == "clip after the policy":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+    told = [str(w.message) for w in caught if "not the ones the compiled backward returned" in str(w.message)]
+    assert len(told) == 1, told
+    assert ("of 2 are" if outside == "head reused" else "of 0, 2 are") in told[0]
+
+
+def test_a_grad_scalers_unscaling_is_not_taken_for_a_change_outside():
+    """unscale_ divides the gradients in place, before the step or inside scaler.step()."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scaler=scaler)
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with coverage_silent():
+        for step in range(4):
+            optimizer.zero_grad()
+            scaler.scale(compiled(torch.randn(4, 8)).pow(2).mean()).backward()
+            if step % 2:
+                scaler.unscale_(optimizer)  # in place, before the step
+            scaler.step(optimizer)
+            scaler.update()

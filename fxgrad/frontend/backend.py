@@ -43,6 +43,7 @@ from fxgrad.frontend.coverage import (
     refuse_fsdp2_in_graph_scope,
 )
 from fxgrad.frontend.graphs import GraphRegistry
+from fxgrad.frontend.outside_uses import OutsideUses
 from fxgrad.frontend.plan import GraphPlan, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
 from fxgrad.frontend.step_check import (
@@ -162,6 +163,7 @@ class Backend:
                 self._idle,
                 self._before_update,
             )
+        self._outside = OutsideUses() if in_graph else None  # graph scope: gradients changed after the backward
         self._step = None  # runs the policy on .grad in step scope
         self._nesting: tuple[list[weakref.ref], list[int]] = ([], [])  # see _step_models
         self._policy_runs = PolicyRuns()  # ... and tells when a loop never lets it run
@@ -291,6 +293,8 @@ class Backend:
             outputs = compiled(*args)
             if not step_scope and graph.reads_weights is not False and graph.params and torch.is_grad_enabled():
                 self._bind_before_backward(graph, args, outputs)
+            if scope == "graph" and self._outside is not None and self._outside.watching and torch.is_grad_enabled():
+                self._outside.watch(outputs)
             if (count_backwards or (watch_steps and self._policy_runs.watching)) and torch.is_grad_enabled():
                 # This call's parameters: a graph reused for another module is rebound on each call.
                 probe = next((t for p in graph.params if (t := args[p.index]).requires_grad), None)
@@ -646,6 +650,9 @@ class Backend:
                 report_outside(optimizer, self.transform, [model for model, _ in self._step_models()], loose)
             elif self._coverage is not None:
                 self._coverage.stepped_together(self.registry, stepped_ids(optimizer), type(optimizer).__name__)
+        if self._outside is not None and self._outside.pending and self.current_scope() == "graph":
+            scaled = self.scaler is not None or _compat.stepping_grad_scaler() is not None
+            self._outside.check(optimizer, scaled, self.transform, self._layer_of)
         if self._summed:
             stepped = stepped_ids(optimizer)
             for probe, message in list(self._summed.items()):
@@ -674,6 +681,15 @@ class Backend:
             return
         self._told_scaled.add(optimizer)
         warn(message.format(optimizer=type(optimizer).__name__, transform=self.transform), CoverageWarning)
+
+    def _layer_of(self) -> dict[int, str]:
+        """``id(parameter) -> layer`` for the parameters the current graphs hold."""
+        return {
+            id(tensor): slot.layer
+            for graph in self.registry.current()
+            for slot in graph.params
+            if (tensor := slot.tensor()) is not None
+        }
 
     def _our_ids(self) -> frozenset[int]:
         """The ids of the parameters of the models this backend covers (the kept walk)."""
