@@ -806,6 +806,23 @@ def test_one_optimizer_over_models_of_one_class_compiled_one_by_one_is_reported(
         optimizer.step()
 
 
+def test_models_of_one_class_with_an_optimizer_each_are_not_reported():
+    """Folds of a k-fold run, kept in a list, each trained by its own optimizer: Dynamo runs the
+    first fold's graph for the others, bound to each call's parameters."""
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.5), compiler="aot_eager")
+    folds = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxgrad.CoverageWarning)  # Dynamo reuses the graph: said, and so
+        for _ in range(3):
+            folds.append(models.MLP())
+            compiled = torch.compile(folds[-1], backend=backend)
+            optimizer = torch.optim.Adam(folds[-1].parameters())
+            for _ in range(2):
+                optimizer.zero_grad()
+                models.loss_of(compiled(torch.randn(4, 16))).backward()
+                optimizer.step()
+
+
 def test_models_compiled_one_by_one_with_an_optimizer_each_are_not_reported():
     """A GAN: each optimizer steps one model, and each model's own norm is the one meant."""
     encoder, head = encoder_and_head()

@@ -5,6 +5,7 @@ import copy
 import models
 import pytest
 import torch
+from parity import coverage_silent
 from transformers import Trainer, TrainingArguments
 
 import fxgrad
@@ -80,7 +81,14 @@ def test_a_trainer_that_clips_a_plainly_compiled_model_is_reported(tmp_path, sco
     args = _args(tmp_path, max_steps=2, remove_unused_columns=False)
     trainer = Trainer(model=torch.compile(_gpt2(), backend=backend), args=args, train_dataset=_data())
     when = "before" if scope == "step" else "after"
-    with pytest.warns(fxgrad.CoverageWarning, match=rf"clips the gradients itself, max_grad_norm=1.0 .*, {when} the"):
+    with pytest.warns(
+        fxgrad.CoverageWarning, match=rf"clips the gradients itself, max_grad_norm=1.0 .*, {when} the"
+    ) as told:
+        trainer.train()
+    assert len([w for w in told if "fxgrad" in str(w.message)]) == 1  # not again as a change after the backward
+    monitored = fxgrad.backend(fxgrad.monitor(), compiler="aot_eager", scope=scope)  # it changes no gradient
+    trainer = Trainer(model=torch.compile(_gpt2(), backend=monitored), args=args, train_dataset=_data())
+    with coverage_silent():
         trainer.train()
 
 

@@ -708,13 +708,14 @@ def test_balance_norms_over_mixed_dtensor_and_plain_weights_is_refused():
             backend.step(model)
 
 
-@pytest.mark.parametrize("outside", ["l2 penalty", "head reused", "clip after the policy"])
+@pytest.mark.parametrize("outside", ["l2 penalty", "head reused", "clip after the policy", "clip after unscale_"])
 def test_gradients_changed_outside_the_compiled_backward_are_reported(outside, compile_with):
     """Graph scope transforms what the compiled backward returns; autograd adds the gradient of
     an eager use of the same parameter after it, and a clip before the step changes it: the
     policy never saw either. Reported once, naming the layers; step scope reads the sum."""
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    scaler = torch.amp.GradScaler("cpu", enabled=outside == "clip after unscale_")  # AMP's clipping recipe
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scaler=scaler)
     compiled = compile_with(backend, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     x = torch.randn(4, 8)
@@ -727,13 +728,43 @@ def test_gradients_changed_outside_the_compiled_backward_are_reported(outside, c
                 loss = loss + 1e-2 * sum(p.pow(2).sum() for p in model.parameters())
             elif outside == "head reused":
                 loss = loss + (x[:, :2] @ model[2].weight[:, :2].T).sum()
-            loss.backward()
-            if outside == "clip after the policy":
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            if outside.startswith("clip after"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
     told = [str(w.message) for w in caught if "not the ones the compiled backward returned" in str(w.message)]
     assert len(told) == 1, told
     assert ("of 2 are" if outside == "head reused" else "of 0, 2 are") in told[0]
+
+
+def test_create_graph_and_an_optimizer_stepped_in_the_backward_are_not_taken_for_changes_outside():
+    """backward(create_graph=True) makes autograd copy every gradient into .grad; an optimizer
+    stepped per parameter by a post-accumulate hook drops each .grad inside the backward."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    compiled = torch.compile(model, backend=fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with coverage_silent(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Using backward.. with create_graph=True")
+        for _ in range(3):
+            optimizer.zero_grad()
+            compiled(torch.randn(4, 8)).pow(2).mean().backward(create_graph=True)
+            optimizer.step()
+    for p in model.parameters():
+        p.grad = None
+    per_parameter = {p: torch.optim.SGD([p], lr=1e-3) for p in model.parameters()}
+
+    def step(param):
+        per_parameter[param].step()
+        per_parameter[param].zero_grad()
+
+    hooks = [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
+    with coverage_silent():
+        for _ in range(3):
+            compiled(torch.randn(4, 8)).pow(2).mean().backward()
+    for hook in hooks:
+        hook.remove()
 
 
 def test_a_grad_scalers_unscaling_is_not_taken_for_a_change_outside():

@@ -82,6 +82,11 @@ class Transform:
         that it must see every gradient at once."""
         return any(leaf.reach == "group" for leaf in self.leaves())
 
+    def changes_gradients(self) -> bool:
+        """Whether a leaf changes gradients: not ``monitor`` alone, which reads them, nor
+        update-level factors (``apply_to="update"``), which scale the optimizer's step."""
+        return any(leaf.folds != "identity" and leaf.apply_to == "grad" for leaf in self.leaves())
+
     def unmatched(self, layers: Sequence[Layer]) -> list[str]:
         """Why routing keys (``by_type``, ``by_name``) that reach none of ``layers`` do not."""
         return []

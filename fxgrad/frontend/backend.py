@@ -163,7 +163,8 @@ class Backend:
                 self._idle,
                 self._before_update,
             )
-        self._outside = OutsideUses() if in_graph else None  # graph scope: gradients changed after the backward
+        # graph scope: gradients changed after the backward returned them (a policy that changes some)
+        self._outside = OutsideUses() if in_graph and transform.changes_gradients() else None
         self._step = None  # runs the policy on .grad in step scope
         self._nesting: tuple[list[weakref.ref], list[int]] = ([], [])  # see _step_models
         self._policy_runs = PolicyRuns()  # ... and tells when a loop never lets it run
@@ -638,10 +639,12 @@ class Backend:
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
                 warn(why, CoverageWarning)
-            max_norm = trainer_clip()
+            max_norm = trainer_clip() if self.transform.changes_gradients() else None
             if max_norm is not None:
                 when = "before" if self.current_scope() == "step" else "after"
                 warn(TRAINER_CLIPS.format(max_norm=max_norm, when=when, transform=self.transform), CoverageWarning)
+                if self._outside is not None:
+                    self._outside.told()  # the Trainer's clip is the change it would report
             if self.current_scope() == "step":  # graph scope: the step check reports them
                 loose = self._loose_parameters()
                 if loose:
@@ -651,8 +654,7 @@ class Backend:
             elif self._coverage is not None:
                 self._coverage.stepped_together(self.registry, stepped_ids(optimizer), type(optimizer).__name__)
         if self._outside is not None and self._outside.pending and self.current_scope() == "graph":
-            scaled = self.scaler is not None or _compat.stepping_grad_scaler() is not None
-            self._outside.check(optimizer, scaled, self.transform, self._layer_of)
+            self._outside.check(optimizer, self.transform, self._layer_of)
         if self._summed:
             stepped = stepped_ids(optimizer)
             for probe, message in list(self._summed.items()):

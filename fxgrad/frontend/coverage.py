@@ -273,26 +273,33 @@ class CoverageCheck:
         if not self.transform.reduces_across_layers():
             return
         graphs = [graph for graph in registry.current() if graph.trains]
-        roots: dict[int, nn.Module] = {}  # the live models whose stepped parameters some graph holds
-        for graph in graphs:
-            live = graph.roots()
-            for slot in graph.params:
-                if slot.root in live and id(slot.tensor()) in stepped:
-                    roots.setdefault(slot.root, graph.root_refs[slot.root]())
-            # ... or ran with: Dynamo runs one graph for models of one class (an ensemble)
-            reused = {key for key, _, _ in graph.reused_layers()} & stepped
-            for key, root in registry.roots.items() if reused else ():
-                model = root.module()
-                if model is not None and any(id(p) in reused for p in model.parameters()):
-                    roots.setdefault(key, model)
+        models = {key: model for key, root in registry.roots.items() if (model := root.module()) is not None}
+        params = {key: {id(p) for p in model.parameters()} for key, model in models.items()}
+
+        def owner(param: int, root: int | None = None) -> int | None:
+            """The model ``param`` belongs to: ``root`` (the one its slot was captured for) if it
+            still holds it, else the first that does (Dynamo binds a graph to each call's parameters)."""
+            if root in params and param in params[root]:
+                return root
+            return next((key for key, ids in params.items() if param in ids), None)
+
+        # the models whose stepped parameters some graph holds or ran with (an ensemble of one class runs one)
+        found = {
+            owner(id(slot.tensor()), slot.root)
+            for graph in graphs
+            for slot in graph.params
+            if id(slot.tensor()) in stepped
+        }
+        found |= {owner(key) for graph in graphs for key, _, _ in graph.reused_layers() if key in stepped}
+        roots = {key: models[key] for key in found if key is not None}
         # a model inside another counted one (a submodule compiled with the same backend) is not one more
-        inside = {id(m) for model in roots.values() if model is not None for m in model.modules() if m is not model}
+        inside = {id(m) for model in roots.values() for m in model.modules() if m is not model}
         roots = {key: model for key, model in roots.items() if key not in inside}
         if len(roots) < 2 or any(graph.roots() >= roots.keys() for graph in graphs):
             return
-        models = sorted(type(model).__name__ for model in roots.values() if model is not None)
+        names = ", ".join(sorted(type(model).__name__ for model in roots.values()))
         self.report(
-            SPLIT_MODELS.format(optimizer=optimizer, count=len(roots), models=", ".join(models), t=self.transform),
+            SPLIT_MODELS.format(optimizer=optimizer, count=len(roots), models=names, t=self.transform),
             fatal=True,
         )
 

@@ -11,15 +11,18 @@ For its first steps a backend notes, with a post-hook on each compiled backward,
 gradient it returned for each parameter whose ``.grad`` was empty, and that gradient's
 version. Autograd stores a lone gradient as ``.grad`` as it is; at the optimizer's step a
 ``.grad`` in other memory (a sum), or the same one changed (a sum into it, a clip), is
-reported once. Not checked: accumulation and two forwards in one loss (their own
-warnings), parameters with gradient hooks (warned about), a GradScaler's unscaling (only
-a different tensor counts then), and multi-process jobs (DDP's buckets replace ``.grad``)::
+reported once. A GradScaler's ``unscale_`` leaves the version as it was (torch 2.13), so
+AMP's usual loop is silent, and a clip after it is seen. Not checked: accumulation and two
+forwards in one loss (their own warnings), parameters with gradient hooks (warned about),
+``backward(create_graph=True)`` (autograd copies every gradient), changes through
+``.grad.data`` (they leave the version as it was too), and multi-process jobs (DDP's
+buckets replace ``.grad``)::
 
     uses = OutsideUses()
     if uses.watching:
         uses.watch(outputs)  # each call of a compiled graph in graph scope, grad mode on
     if uses.pending:  # at an optimizer's step, before it updates
-        uses.check(optimizer, scaled, transform, layer_of)
+        uses.check(optimizer, transform, layer_of)
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ class OutsideUses:
             and not torch.distributed.is_initialized()
         )
 
+    def told(self) -> None:
+        """Something else reported the change: watch no more."""
+        self._told = True
+        self._returned.clear()
+
     @property
     def pending(self) -> bool:
         """Whether gradients wait for :meth:`check`."""
@@ -82,6 +90,8 @@ class OutsideUses:
 
     def _returned_grads(self, leaves: list[weakref.ref | None], grads: tuple) -> None:
         self._passes.add(_compat.backward_pass_id())
+        if torch.is_grad_enabled():  # backward(create_graph=True): autograd copies every gradient into .grad
+            return
         pointers = [None if grad is None or grad.layout != torch.strided else grad.data_ptr() for grad in grads]
         repeated = {pointer for pointer, count in collections.Counter(pointers).items() if count > 1}
         for ref, grad, pointer in zip(leaves, grads, pointers):
@@ -98,15 +108,8 @@ class OutsideUses:
             else:
                 self._returned[key] = (ref, pointer, _compat.tensor_version(grad))
 
-    def check(
-        self,
-        optimizer: torch.optim.Optimizer,
-        scaled: bool,
-        transform: Any,
-        layer_of: Callable[[], dict[int, str]],
-    ) -> None:
-        """At ``optimizer``'s step, before it updates; ``scaled``: a GradScaler unscaled the
-        gradients in place (only another tensor counts then); ``layer_of()``: the layer of each
+    def check(self, optimizer: torch.optim.Optimizer, transform: Any, layer_of: Callable[[], dict[int, str]]) -> None:
+        """At ``optimizer``'s step, before it updates; ``layer_of()``: the layer of each
         parameter, by id, for the warning."""
         self._passes.clear()
         stepped = stepped_ids(optimizer)
@@ -120,7 +123,7 @@ class OutsideUses:
             grad = None if param is None or pointer is None else param.grad
             if grad is None:
                 continue
-            if grad.data_ptr() != pointer or (not scaled and _compat.tensor_version(grad) != version):
+            if grad.data_ptr() != pointer or _compat.tensor_version(grad) != version:
                 changed.append(key)
         if not changed:
             self._clean += 1

@@ -156,7 +156,8 @@ class GradWrites:
         self._reached[param] = current, message, (*graphs, id(graph))
 
     def _written(self, param: nn.Parameter) -> None:
-        self._versions[param] = _compat.tensor_version(param.grad)
+        grad = param.grad  # None once an optimizer stepped in a hook of its own and dropped it: written
+        self._versions[param] = -1 if grad is None else _compat.tensor_version(grad)
         current, message, _ = self._reached.pop(param, (None, None, ()))
         self.summed(param, message if current == _compat.backward_pass_id() else None)
 
