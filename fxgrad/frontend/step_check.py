@@ -15,8 +15,8 @@ graph, it reports once:
   backend at all");
 * gradients that changed since the optimizer's last step while no backward
   of a graph of the backend ran: Dynamo ran the forward eagerly (its
-  recompile limit), or the original model was called instead of the
-  compiled one.
+  recompile limit), the original model was called instead of the
+  compiled one, or the model was compiled again with another backend.
 
 It warns with :class:`fxgrad.CoverageWarning`, or raises
 :class:`fxgrad.CoverageError` when ``strict`` and a transform reduces across
@@ -55,8 +55,9 @@ RECOMPILED = (
     "fxgrad: the gradients of {model} changed since the optimizer's last step, but no backward "
     "of a graph compiled by this backend ran: Dynamo ran the forward eagerly (as it does once a frame was "
     "recompiled torch._dynamo.config.recompile_limit times, e.g. once per new input shape; mark "
-    "the dimension dynamic or raise the limit), or the original model was called instead of the "
-    "compiled one. The policy {transform!r} did not run on them."
+    "the dimension dynamic or raise the limit), the original model was called instead of the "
+    "compiled one, or the model was compiled again with another backend. The policy {transform!r} "
+    "did not run on them."
 )
 
 TORCH_NN_FORWARD = (
