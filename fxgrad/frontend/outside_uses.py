@@ -7,14 +7,15 @@ added to the loss, a weight reused by code outside the compiled forward), and an
 change before ``optimizer.step()`` (a second ``clip_grad_norm_``). A global clip was 3.5x
 off its eager reference with such a penalty, silently.
 
-For its first steps a backend notes, with a post-hook on each compiled backward, the
-gradient it returned for each parameter whose ``.grad`` was empty, and that gradient's
-version. Autograd stores a lone gradient as ``.grad`` as it is; at the optimizer's step a
+For its first two steps a backend notes, with a post-hook on each compiled backward, the
+memory and version of the gradient it returned for each parameter whose ``.grad`` was
+empty. Autograd stores a lone gradient as ``.grad`` as it is; at the optimizer's step a
 ``.grad`` in other memory (a sum), or the same one changed (a sum into it, a clip), is
 reported once. A GradScaler's ``unscale_`` leaves the version as it was (torch 2.13), so
 AMP's usual loop is silent, and a clip after it is seen. Not checked: accumulation and two
 forwards in one loss (their own warnings), parameters with gradient hooks (warned about),
-``backward(create_graph=True)`` (autograd copies every gradient), changes through
+gradients autograd copies into ``.grad`` anyway (in another layout than the parameter's,
+one tensor returned for two parameters, ``backward(create_graph=True)``), changes through
 ``.grad.data`` (they leave the version as it was too), and multi-process jobs (DDP's
 buckets replace ``.grad``)::
 
