@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fxgrad import _compat
 from fxgrad.core.layers import Layer
-from fxgrad.runtime.norm_math import accumulation_dtype, call, replicated, widen
+from fxgrad.runtime.norm_math import call, replicated, widen
 from fxgrad.runtime.state import StateStore, flat
 
 Shape = tuple[int, ...]
@@ -299,7 +299,7 @@ class RouteContext:
                 "(tensor parallelism, with modules outside the plan): not supported. Route it to the "
                 "parallelized layers only (by_name, by_type), or leave it out under tensor parallelism"
             )
-        dtype = functools.reduce(torch.promote_types, [p.dtype for ps in params() for p in ps], torch.float32)
+        dtype = _widest([p for ps in params() for p in ps])
 
         def read() -> torch.Tensor:  # DTensor weights whole on every rank: uneven shards do not flatten
             return torch.cat([_whole(p).reshape(-1) for layer_params in params() for p in layer_params])
@@ -348,12 +348,15 @@ def _row_shape(param: torch.Tensor) -> tuple[int, ...]:
     return (param.shape[0],) + (1,) * (param.dim() - 1) if param.dim() > 1 else ()
 
 
+def _widest(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """float32, or the widest dtype among ``tensors`` if wider (float64, complex)."""
+    return functools.reduce(torch.promote_types, [t.dtype for t in tensors], torch.float32)
+
+
 def _norm_dtype(params: Sequence[torch.Tensor]) -> torch.dtype | None:
-    """The dtype the norms of ``params`` are computed in: the widest :func:`accumulation_dtype`
-    among them; none for complex ones (their norms are real)."""
-    if any(p.is_complex() for p in params):
-        return None
-    return functools.reduce(torch.promote_types, map(accumulation_dtype, params))
+    """The dtype the norms of ``params`` are computed in (:func:`_widest`); none for complex
+    ones (their norms are real)."""
+    return None if any(p.is_complex() for p in params) else _widest(params)
 
 
 def _row_norms(param: torch.Tensor) -> torch.Tensor:
