@@ -654,7 +654,7 @@ class Backend:
             elif self._coverage is not None:
                 self._coverage.stepped_together(self.registry, stepped_ids(optimizer), type(optimizer).__name__)
         if self._outside is not None and self._outside.pending and self.current_scope() == "graph":
-            self._outside.check(optimizer, self.transform, self._layer_of)
+            self._outside.check(optimizer, self.transform, self.registry.layers_held)
         if self._summed:
             stepped = stepped_ids(optimizer)
             for probe, message in list(self._summed.items()):
@@ -683,15 +683,6 @@ class Backend:
             return
         self._told_scaled.add(optimizer)
         warn(message.format(optimizer=type(optimizer).__name__, transform=self.transform), CoverageWarning)
-
-    def _layer_of(self) -> dict[int, str]:
-        """``id(parameter) -> layer`` for the parameters the current graphs hold."""
-        return {
-            id(tensor): slot.layer
-            for graph in self.registry.current()
-            for slot in graph.params
-            if (tensor := slot.tensor()) is not None
-        }
 
     def _our_ids(self) -> frozenset[int]:
         """The ids of the parameters of the models this backend covers (the kept walk)."""

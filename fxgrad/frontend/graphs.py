@@ -83,6 +83,14 @@ class GraphRegistry:
         ref = self._held.get(id(tensor))
         return ref is not None and ref() is tensor
 
+    def layers_held(self) -> dict[int, str]:
+        """``id(parameter) -> layer`` for the parameters the graphs hold or ran with (as
+        :meth:`holds` counts them), for messages that name layers."""
+        graphs = self.current()
+        layers = {key: layer for graph in graphs for key, _, layer in graph.reused_layers()}
+        layers.update((id(t), p.layer) for graph in graphs for p in graph.params if (t := p.tensor()) is not None)
+        return layers
+
     def current(self) -> list[CapturedGraph]:
         """The graphs that are not a freed model's (:meth:`CapturedGraph.current`): what the
         questions below are about."""
