@@ -53,15 +53,21 @@ def train(
     nonfinite=(),
     unscale=False,
     closure=False,
+    compiled_step=False,
 ):
     """``steps`` steps on fixed inputs; ``reference(model)`` edits the gradients when there is no backend;
     ``unscale``: ``scaler.unscale_(optimizer)`` before ``scaler.step`` (to log the gradient's norm, say);
-    ``closure``: the forward and backward in ``optimizer.step(closure)``, as Lightning steps.
+    ``closure``: the forward and backward in ``optimizer.step(closure)``, as Lightning steps;
+    ``compiled_step``: ``optimizer.step()`` called from a compiled function, torch's recipe for
+    compiling the optimizer.
 
     Steps after the first run under the no-sync trap with a backend and a fused optimizer
     (torch's foreach Adam reads its step counter on the host)."""
     compiled = torch.compile(model, backend=backend) if backend is not None else model
     trapped = backend is not None and all(group.get("fused") for group in optimizer.param_groups)
+    step_fn = optimizer.step
+    if compiled_step:
+        step_fn = torch.compile(lambda: optimizer.step(), backend="aot_eager")
     gen = torch.Generator().manual_seed(3)
     for step in range(steps):
         x = torch.randn(16, 8, generator=gen)
@@ -90,7 +96,7 @@ def train(
                 scaler.step(optimizer)
                 scaler.update()
             else:
-                optimizer.step()
+                step_fn()
         if scheduler is not None:
             scheduler.step()
 
@@ -318,6 +324,35 @@ def test_a_closure_step_gets_the_factor_of_the_gradients_its_closure_computes(sc
         train(model, optimizer, 5, backend=backend, closure=True)
     train(expected, expected_optimizer, 5, reference=lambda m: ref.clip_global(m, 0.05), closure=True)
     assert backend.stats()["folded_factor"].item() < 0.5
+    assert_same_weights(model, expected)
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize(
+    "folded, policy, expected_edit",
+    [
+        (True, lambda: fxgrad.clip_by_global_norm(0.05), lambda m: ref.clip_global(m, 0.05)),
+        (
+            False,
+            lambda: fxgrad.chain(fxgrad.clip_by_norm(0.02), fxgrad.clip_by_global_norm(0.05)),
+            lambda m: (ref.clip_per_layer(m, 0.02), ref.clip_global(m, 0.05)),
+        ),
+    ],
+    ids=["folded", "per-layer"],
+)
+def test_an_optimizer_step_compiled_by_the_user_runs_the_policy(scope, folded, policy, expected_edit):
+    """torch's recipe compiles ``optimizer.step()`` inside a function; Dynamo steps over the
+    backend's pre-hook (``torch.compiler.disable``), which then runs eagerly before the update."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(policy(), compiler="aot_eager", scope=scope)
+    optimizer = OPTIMIZERS["adamw"](model.parameters(), fused=True)
+    if folded:
+        backend.fold(optimizer)
+    expected_optimizer = OPTIMIZERS["adamw"](expected.parameters(), fused=True)
+    train(model, optimizer, 5, backend=backend, compiled_step=True)
+    train(expected, expected_optimizer, 5, reference=expected_edit, compiled_step=True)
     assert_same_weights(model, expected)
 
 
