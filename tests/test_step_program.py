@@ -166,6 +166,28 @@ def test_layouts_past_the_recompile_limit_run_eagerly_after_one_warning(builds):
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
 
 
+def test_a_layout_that_outlives_those_before_the_limit_gets_a_program(builds, monkeypatch):
+    """zero_grad(set_to_none=False): each expert's first gradient is a new layout, and the layouts
+    of the first steps never recur. The last one, kept from then on, replaces the least used program
+    once it has run eagerly more than twice as often (the round robin above never does)."""
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    ran = []
+    run = backend._programs.run
+    monkeypatch.setattr(backend._programs, "run", lambda *args: ran.append(run(*args)) or ran[-1])
+    model = Experts()
+    limited = _compat.dynamo_config().patch(recompile_limit=2)
+    with limited, pytest.warns(RuntimeWarning, match="takes its place") as caught:
+        for step in range(8):
+            model.zero_grad(set_to_none=False)
+            models.loss_of(model(torch.randn(2, 8), expert=min(step, 2))).backward()
+            backend.step(model)
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            assert torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])) == pytest.approx(1e-3, rel=1e-4)
+    assert ran == [True, True, False, False, True, True, True, True]
+    assert builds[0] == 3
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+
+
 @pytest.mark.inductor
 def test_a_gradient_whose_strides_change_gets_a_program_of_its_own(builds):
     """A step reuses the last step's program after checking every gradient's layout (in C++);

@@ -8,8 +8,11 @@ strides, dtypes and devices, and the routes over their layers) and reused: state
 thresholds and the loss scale are device tensors (the state, views of the store's
 buffer passed as inputs after the gradients and written like them; the loss scale,
 read by a custom op), so nothing recompiles when they change, and nothing syncs. Like Dynamo's
-frames, at most ``torch._dynamo.config.recompile_limit`` layouts (8 by default) get
-a program; a step with another layout runs the rules eagerly, after one warning::
+frames, at most ``torch._dynamo.config.recompile_limit`` layouts (8 by default) have
+a program; a step with another layout runs the rules eagerly, after one warning, until
+that layout has run more than twice as often as the least used program's, which it then
+replaces (the layouts of the first steps stop recurring once every parameter keeps a
+gradient, under ``zero_grad(set_to_none=False)``)::
 
     programs = StepPrograms("inductor")
     if not programs.run(routes, owners, store, scaler):
@@ -32,6 +35,7 @@ the tests exercise quickly); with ``"inductor"`` it is compiled.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from typing import Any, Callable, Sequence
 
@@ -59,12 +63,17 @@ class StepPrograms:
     def __init__(self, compiler: str, keep_code: bool = False) -> None:
         self.compiler, self.keep_code = compiler, keep_code
         self.inserted: str | None = None  # with keep_code: the last program built, as render_inserted writes it
-        self._programs: dict[tuple, Callable[..., Any]] = {}
+        self._programs: dict[tuple, _Built] = {}  # by variant and layout
+        self._misses: dict[tuple, int] = {}  # steps run eagerly past the limit, by variant and layout
         self._broken: str | None = None  # why building failed; then every step runs eagerly
         self._told_eager: set[str] = set()  # the reasons some gradients run eagerly that were given
         # the parameters programs read weights of, by name (kept with the owners they came from)
         self._weights: tuple[Sequence[Owner] | None, dict[str, torch.Tensor]] = (None, {})
-        self._last: tuple[Any, Callable[[Sequence[torch.Tensor]], bool], Any] = (None, lambda grads: False, None)
+        self._last: tuple[Any, Callable[[Sequence[torch.Tensor]], bool], _Built | None] = (
+            None,
+            lambda grads: False,
+            None,
+        )
         self._routes: tuple[Sequence, tuple, Any] | None = None  # the last step's parameters, key and routes
         self._routings: dict[tuple, int] = {}  # routes and parameter names -> a small int, for program keys
         self._last_routing: tuple[Any, int] = (None, -1)  # the last routes seen, and their int
@@ -154,28 +163,46 @@ class StepPrograms:
         layout, built by ``build()`` the first time (None: it was not). The last step's is
         checked in C++; the key of the layout, a tuple per gradient, takes 40 us of Python to
         build and hash for the deep MLP's 98 gradients."""
-        last_variant, matches, program = self._last
+        last_variant, matches, built = self._last
         if last_variant == variant and matches(grads):
-            return program
+            built.uses += 1
+            return built.program
         key = variant, _layout(grads)
-        program = self._programs.get(key)
-        if program is None:
-            limit = _compat.dynamo_config().recompile_limit
-            if len(self._programs) >= limit:
-                self._eager(
-                    f"{limit} gradient layouts have a program already (torch._dynamo.config.recompile_limit), and "
-                    "this step's is new: the set of parameters with a gradient changes from step to step "
-                    "(LayerDrop, a mixture of experts, branches), or one backend serves models of many "
-                    "shapes (a sweep: give each trial its own backend). zero_grad(set_to_none=False) keeps "
-                    "every gradient from step to step, and so the layout; or raise the limit"
-                )
+        built = self._programs.get(key)
+        if built is None:
+            if not self._room_for(key):
                 return None
             program = build()
             if program is None:
                 return None
-            self._programs[key] = program
-        self._last = variant, _compat.layout_check(grads), program
-        return program
+            built = self._programs[key] = _Built(program, self._misses.pop(key, 0))
+        built.uses += 1
+        self._last = variant, _compat.layout_check(grads), built
+        return built.program
+
+    def _room_for(self, key: tuple) -> bool:
+        """Whether a program may be built for the new ``key``: under the limit, or once ``key``
+        ran eagerly more than twice as often as the least used program (which is dropped). Twice:
+        layouts that recur alike (experts routed at random) must not take turns being built."""
+        limit = _compat.dynamo_config().recompile_limit
+        if len(self._programs) < limit:
+            return True
+        misses = self._misses[key] = self._misses.get(key, 0) + 1
+        least = min(self._programs, key=lambda k: self._programs[k].uses, default=None)
+        if least is not None and misses > 2 * self._programs[least].uses:
+            self._misses[least] = self._programs.pop(least).uses
+            return True
+        if len(self._misses) > 8 * limit:  # many layouts, each rare: keep the most frequent
+            self._misses = dict(sorted(self._misses.items(), key=lambda item: item[1])[-4 * limit :])
+        self._eager(
+            f"{limit} gradient layouts have a program already (torch._dynamo.config.recompile_limit), and "
+            "this step's is new: the set of parameters with a gradient changes from step to step "
+            "(LayerDrop, a mixture of experts, branches), or one backend serves models of many "
+            "shapes (a sweep: give each trial its own backend). A layout that runs eagerly more than twice "
+            "as often as the least used program's takes its place. zero_grad(set_to_none=False) keeps "
+            "every gradient once it exists, so the layout stops changing; or raise the limit"
+        )
+        return False
 
     def _eager(self, why: str) -> None:
         """Say once per reason that these gradients run the rules eagerly, one op at a time, and ``why``."""
@@ -237,6 +264,14 @@ class StepPrograms:
                 group.saved()
 
         return program
+
+
+@dataclasses.dataclass
+class _Built:
+    """A program, and how many steps ran it."""
+
+    program: Callable[..., Any]
+    uses: int = 0
 
 
 def _shard_group(grads: Sequence[torch.Tensor], routes: Sequence[tuple[int, Route]]) -> tuple[str | None, str]:
