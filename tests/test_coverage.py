@@ -504,6 +504,41 @@ def test_a_parameter_in_two_graphs_of_one_forward_is_not_two_forwards():
         optimizer.step()
 
 
+class BranchOnInput(nn.Module):
+    """A branch on a tensor: Dynamo resumes in one frame per side, and both hold ``head``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.a, self.b, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = self.a(h) if x.mean() > 0 else self.b(h)
+        return self.head(torch.tanh(h))
+
+
+def test_the_two_sides_of_a_branch_on_a_tensor_are_not_parts_of_one_forward(compile_with):
+    """They are alternatives, like recompiles of one frame: ``head`` is whole in each."""
+    torch.manual_seed(0)
+    model = BranchOnInput()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.05), compiler="aot_eager")
+    compiled = compile_with(backend, model)
+    optimizer, expected_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, expected))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxgrad.CoverageWarning)  # step 0: layer a is in no graph yet
+        for step in range(4):
+            x = torch.randn(4, 8) + (1.0 if step % 2 else -1.0)  # b, then a, then each again
+            for m, opt in ((compiled, optimizer), (expected, expected_optimizer)):
+                opt.zero_grad()
+                m(x).pow(2).mean().backward()
+                if m is expected:
+                    ref.clip_per_layer(expected, 0.05)
+                opt.step()
+    for a, b in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 class Outer(nn.Module):
     def __init__(self, inner):
         super().__init__()

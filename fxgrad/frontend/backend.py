@@ -289,6 +289,7 @@ class Backend:
             if not step_scope and graph.params and scope == "step":
                 raise CoverageError(SCOPE_CHANGED)
             self._graph_runs += 1  # lets compile() see forwards that ran no compiled graph
+            graph.last_run = self._graph_runs  # which graphs ran in one forward (registry.parts_of_same_forward)
             if graph.params and not graph.bound_to(args):
                 self._rebind(graph, args)
             outputs = compiled(*args)

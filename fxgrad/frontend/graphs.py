@@ -141,19 +141,24 @@ class GraphRegistry:
     def parts_of_same_forward(self, graph: CapturedGraph) -> list[CapturedGraph]:
         """Other graphs of the same models that run in the same forward as ``graph``.
 
-        A graph break continues the forward in a new frame (a new frame id);
-        a recompile of the same frame (same frame id) is an alternative.
-        """
+        A graph break continues the forward in a new frame (a new frame id); a
+        recompile of the same frame (same frame id) is an alternative. So are the
+        frames Dynamo resumes in after a branch on a tensor (``if x.mean() > 0``),
+        one per side: of the other frames, only those that ran in this forward so far
+        count, the forward starting at the last call of a graph of its first frame
+        (``graph`` asked about while it compiles, before its first call, sees the
+        forward before)."""
         frame, _ = graph.compile_id
         if frame is None:
             return []
         roots = graph.roots()
+        relatives = [other for other in self.current() if other is not graph and other.roots() & roots]
+        first = min(map(self.frame_index, [graph, *relatives]))
+        start = max(g.last_run for g in [graph, *relatives] if self.frame_index(g) == first)
         return [
             other
-            for other in self.current()
-            if other is not graph
-            and other.roots() & roots
-            and (other.compile_id[0] != frame or other.compile_id == graph.compile_id)
+            for other in relatives
+            if other.compile_id == graph.compile_id or (other.compile_id[0] != frame and other.last_run >= start)
         ]
 
     def layers_elsewhere(self, graph: CapturedGraph) -> set[str]:

@@ -97,6 +97,8 @@ class CapturedGraph:
     reused: dict = dataclasses.field(default_factory=dict)
     # The compiled callable Dynamo holds; dead after torch._dynamo.reset():
     compiled: weakref.ref | None = None
+    # The backend's count of compiled-graph calls at this graph's last call (-1: never called)
+    last_run: int = -1
     # id() -> the model, weakly, for each model its parameters belong to (ParamSlot.root)
     root_refs: dict = dataclasses.field(default_factory=dict)
     _by_name: dict | None = dataclasses.field(default=None, repr=False)
