@@ -726,8 +726,18 @@ def test_replaced_parameters_are_followed(compile_with, replaced):
             fxgrad.DEFAULT_SKIP,
             r"rescale multiplier key '\*.q_proj' matches no layer it rescales",
         ),  # Llama's name, in GPT-2
+        (
+            fxgrad.by_name({"transformer.h.0.attn.c_attn": fxgrad.rescale()}),
+            fxgrad.DEFAULT_SKIP,
+            r"rescale\(alpha=0.5, target='mean'\) reaches only transformer.h.0.attn.c_attn: its 'mean' target",
+        ),
+        (
+            fxgrad.by_name({"transformer.wte": fxgrad.balance_norms()}),
+            fxgrad.DEFAULT_SKIP,
+            r"balance_norms\(.*\) reaches only transformer.wte: .* needs two layers",
+        ),
     ],
-    ids=["typo", "tied", "skip", "skipped", "shadowed", "multiplier"],
+    ids=["typo", "tied", "skip", "skipped", "shadowed", "multiplier", "one-layer-mean", "one-layer-balance"],
 )
 def test_routing_keys_and_skip_entries_that_reach_no_layer_are_reported(transform, skip, message, compile_with):
     model, _, _ = models.build("gpt2")

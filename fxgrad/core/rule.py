@@ -151,6 +151,12 @@ class Leaf(Transform):
     def check_followers(self, later: Sequence[Leaf]) -> None:
         """Raise ``ValueError`` if this leaf needs something of the leaves after it in the policy."""
 
+    def idle(self, layers: Sequence[Layer]) -> str | None:
+        """Why this leaf changes no gradient of ``layers`` (the trainable layers routed to it),
+        whatever their values; ``None`` when it may. Compiling a model warns for each such route
+        (:func:`fxgrad.frontend.coverage.policy_misses`)."""
+        return None
+
     def __repr__(self) -> str:
         return call_repr(self.name, **self.shown_fields())
 

@@ -149,10 +149,17 @@ def _where_held(model: nn.Module, kind: type) -> str | None:
 
 def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model: nn.Module) -> list[str]:
     """Warnings for the routing keys and added skip entries that match no layer of
-    ``model``: they do nothing (a typo, or a tied weight that belongs to another layer)."""
+    ``model``: they do nothing (a typo, or a tied weight that belongs to another layer);
+    and for the rules routed to layers they cannot change (:meth:`Leaf.idle`)."""
     trainable, frozen = model_rows(model, "")
     layers = build_layers(trainable + frozen, (), skip)
     misses = transform.unmatched(layers) if transform is not None else []
+    routes = transform.routes(build_layers(trainable, (), skip)) if transform is not None else []
+    misses += [
+        f"{route.leaf!r} reaches only {listed([layer.name for layer in route.layers], 5)}: {why}"
+        for route in routes
+        if route.layers and (why := route.leaf.idle(route.layers))
+    ]
     misses += [
         f"skip entry {entry!r} matches no layer ({WHAT_IS_A_LAYER})"
         for entry in skip

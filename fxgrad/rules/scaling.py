@@ -167,6 +167,11 @@ class Rescale(ScaleLeaf):
             if not any(match.matches(key, layer) for layer in rescaled)
         ]
 
+    def idle(self, layers: Sequence[Layer]) -> str | None:
+        if self.target == "mean" and len(layers) == 1 and self.multiplier(layers[0]) == 1:
+            return "its 'mean' target is the mean norm of the layers it reaches, the layer's own, so its factor is 1"
+        return None
+
     def layer_target(self, layer: Layer) -> float:
         """``T_l`` for a constant or callable target (not for ``"mean"``)."""
         if not callable(self.target):
@@ -363,6 +368,11 @@ class BalanceNorms(Leaf):
             every=validate.positive_int("every", self.every),
             entropy_drop=validate.non_negative("entropy_drop", self.entropy_drop),
         )
+
+    def idle(self, layers: Sequence[Layer]) -> str | None:
+        if len(layers) < 2:
+            return "it moves weight norm from its top layers to its bottom ones, and needs two layers"
+        return None
 
     def apply(self, grads: LayerGrads, layers: Sequence[Layer], ctx: RouteContext) -> LayerGrads:
         norms = ctx.weight_norms()
