@@ -78,6 +78,7 @@ class FxgradCallback(pl.Callback):
         self.backend = Backend(policy, skip=skip, compiler=compiler, scope="step")
         self.stats = check_stats(stats)
         self.prefix = check_prefix(prefix)
+        self._unlogged = False  # whether the last optimizer step's statistics reached no row
 
     def __repr__(self) -> str:
         return f"FxgradCallback({self.backend.transform!r})"
@@ -142,10 +143,22 @@ class FxgradCallback(pl.Callback):
         if scaler is not None and _compat.grad_scaler_unscaled(scaler, optimizer):
             scaler = None  # Lightning unscaled the gradients before this hook (not for a fused optimizer)
         self.backend.transform_grads(pl_module, scaler, optimizer)
+        self._unlogged = True
         if trainer.loggers and _writes_logs_now(trainer):
-            logged = selected_stats(self.backend, self.stats, self.prefix)
-            if logged:
-                pl_module.log_dict(logged, on_step=True, on_epoch=False)
+            self._log(pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """Under manual optimization a row can be written on a batch with no optimizer step (one that
+        steps on every other batch, at even indices, with ``log_every_n_steps=2``): it gets the last
+        step's statistics, if no row had them. Automatic optimization writes rows on stepping batches."""
+        if self._unlogged and not pl_module.automatic_optimization and trainer.loggers and _writes_logs_now(trainer):
+            self._log(pl_module)
+
+    def _log(self, pl_module: pl.LightningModule) -> None:
+        self._unlogged = False
+        logged = selected_stats(self.backend, self.stats, self.prefix)
+        if logged:
+            pl_module.log_dict(logged, on_step=True, on_epoch=False)
 
     def state_dict(self) -> dict[str, Any]:
         return self.backend.state_dict()
