@@ -748,7 +748,10 @@ def test_routing_keys_and_skip_entries_that_reach_no_layer_are_reported(transfor
 def test_routing_keys_that_reach_layers_are_not_reported(compile_with):
     model, _, _ = models.build("gpt2")
     policy = fxgrad.by_name(
-        {"*attn*": fxgrad.rescale(multipliers={"*.c_attn": 1.3})},
+        {
+            "*attn*": fxgrad.rescale(multipliers={"*.c_attn": 1.3}),
+            "transformer.h.0.mlp.c_fc": fxgrad.rescale(every=10),  # one layer, but a held target moves
+        },
         default=fxgrad.by_type({nn.Embedding: fxgrad.rescale()}),
     )
     with coverage_silent():

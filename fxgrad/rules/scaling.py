@@ -168,7 +168,7 @@ class Rescale(ScaleLeaf):
         ]
 
     def idle(self, layers: Sequence[Layer]) -> str | None:
-        if self.target == "mean" and len(layers) == 1 and self.multiplier(layers[0]) == 1:
+        if self.target == "mean" and self.every is None and len(layers) == 1 and self.multiplier(layers[0]) == 1:
             return "its 'mean' target is the mean norm of the layers it reaches, the layer's own, so its factor is 1"
         return None
 
