@@ -539,6 +539,33 @@ def test_the_two_sides_of_a_branch_on_a_tensor_are_not_parts_of_one_forward(comp
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+class MaskedEmbedding(nn.Module):
+    """Wav2Vec2's masked time steps: a boolean-mask write of a parameter, after a graph break.
+    AOTAutograd fails on it in torch 2.13 (``aten.nonzero``), and Dynamo runs that code eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.embed, self.out = nn.Linear(8, 8), nn.Parameter(torch.randn(8)), nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        h = eager_only(self.fc(x)).clone()
+        h[mask] = self.embed
+        return self.out(h)
+
+
+def test_the_parameters_of_a_graph_whose_compile_failed_are_reported(compile_with):
+    """The failed graph was kept as if it held them: ``normalize`` left them alone, silently."""
+    model = MaskedEmbedding()
+    backend = fxgrad.backend(fxgrad.normalize(), compiler="aot_eager")
+    compiled = compile_with(backend, model)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[:, 1:3] = True
+    with pytest.warns(fxgrad.CoverageWarning, match=r"(?s)\(root\) \(MaskedEmbedding\): in no compiled graph.*failed"):
+        compiled(torch.randn(2, 5, 8), mask).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+    assert [graph.params[0].layer for graph in backend.graphs] == ["fc"]
+
+
 class Outer(nn.Module):
     def __init__(self, inner):
         super().__init__()

@@ -275,7 +275,12 @@ class Backend:
             patches = _compat.cache_keyed(patches, stand_in.key(f"{self!r} scaler={self.scaler is not None}"))
         rewrite = functools.partial(self._rewrite_backward, graph, folded, stand_in=stand_in)
         with contextlib.nullcontext() if plain or stand_in is not None else _compat.autograd_cache_bypassed():
-            compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite, patches)
+            try:
+                compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite, patches)
+            except BaseException:
+                # Dynamo answers with a graph break and runs the code eagerly: no graph holds these parameters
+                self.registry.discard(graph)
+                raise
 
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:

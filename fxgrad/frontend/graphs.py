@@ -71,6 +71,11 @@ class GraphRegistry:
         self._forward_order = merged_order(self._forward_order, dict.fromkeys(p.layer for p in graph.params))
         self._changed()
 
+    def discard(self, graph: CapturedGraph) -> None:
+        """Forget ``graph``: its compile failed."""
+        self.graphs = [g for g in self.graphs if g is not graph]
+        self._changed()
+
     def holds(self, tensor: object) -> bool:
         """Whether a graph holds ``tensor`` (call :meth:`rebound` when one rebinds).
 
@@ -183,8 +188,9 @@ class GraphRegistry:
         if any(p.layer == layer for other in self.current() for p in other.params):
             return "in another compiled graph (a graph break, or a recompile for a branch taken on other inputs)"
         return (
-            "in no compiled graph: it runs outside torch.compile (a graph break in a loop, or a frame "
-            "past torch._dynamo.config.recompile_limit), or the forward does not use it (here, or on "
+            "in no compiled graph: it runs outside torch.compile (a graph break in a loop, a frame "
+            "past torch._dynamo.config.recompile_limit, or a graph whose compile failed, which Dynamo "
+            "runs eagerly after logging why), or the forward does not use it (here, or on "
             "these inputs: a branch taken on some steps only)"
         )
 
