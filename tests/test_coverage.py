@@ -656,6 +656,9 @@ class TwoHeads(nn.Module):
     def encode(self, x):
         return self.body(x)
 
+    def decode(self, h):
+        return self.head(h)
+
 
 def compiled_two_heads():
     model = TwoHeads()
@@ -684,13 +687,19 @@ def test_backwards_through_the_compiled_model_are_not_reported_as_bypassing_it()
             recompiled(x).sum().backward()
 
 
-@pytest.mark.parametrize("call", ["original model", "other method"])
+@pytest.mark.parametrize("call", ["original model", "other method", "method without the first parameter"])
 def test_a_backward_that_bypasses_the_compiled_model_is_reported(call):
+    """The third is CLIP's get_text_features, which never uses the model's first parameter (logit_scale)."""
     model, compiled = compiled_two_heads()
     x = torch.randn(4, 8)
     compiled(x).sum().backward()
     model.zero_grad()
-    out = model(x) if call == "original model" else compiled.encode(x)
+    if call == "original model":
+        out = model(x)
+    elif call == "other method":
+        out = compiled.encode(x)
+    else:
+        out = compiled.decode(torch.randn(4, 16))
     with pytest.warns(fxgrad.CoverageWarning, match="without passing through a forward of the compiled TwoHeads"):
         out.sum().backward()
 

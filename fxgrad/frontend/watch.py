@@ -219,6 +219,33 @@ class WatchedCall:
         return output
 
 
+def probe_names(model: nn.Module, parts: int = 3) -> list[str]:
+    """The names of ``model``'s first trainable parameter and of the first of each of its ``parts``
+    largest parts (direct children, or its own parameters). A method that bypasses the compiled
+    forward through one part (CLIP's ``get_text_features``, whose first parameter, ``logit_scale``,
+    it never uses) writes one of them; a few hooks, not one per parameter."""
+    first: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            part = name.split(".", 1)[0]
+            first.setdefault(part, name)
+            sizes[part] = sizes.get(part, 0) + (0 if is_lazy(param) else param.numel())
+    largest = sorted(sizes, key=sizes.__getitem__, reverse=True)[:parts]
+    return list(dict.fromkeys([*first.values()][:1] + [first[part] for part in largest]))
+
+
+class _Probe:
+    """A parameter whose gradient writes a :class:`ForwardWatch` follows, looked up by name."""
+
+    def __init__(self, model: nn.Module, name: str, passes: int) -> None:
+        owner, _, self.attr = name.rpartition(".")
+        self.name, self.owner = name, model.get_submodule(owner)
+        self.param: nn.Parameter = getattr(self.owner, self.attr)
+        self.watched: nn.Parameter | None = None  # the one the hooks are on
+        self.passes_seen = passes  # backwards through compiled forwards as of its last gradient write
+
+
 class ForwardWatch:
     """The per-forward checks of one compiled model.
 
@@ -238,56 +265,48 @@ class ForwardWatch:
         self.graph_runs, self.in_graph = graph_runs, in_graph
         self._runs_before = 0
         self._first = True
-        # One parameter's .grad tells accumulation apart from a fresh step.
-        self._probe_name, self._probe = next(
-            ((n, p) for n, p in model.named_parameters() if p.requires_grad), (None, None)
-        )
-        owner, _, self._probe_attr = (self._probe_name or "").rpartition(".")
-        self._probe_owner = model.get_submodule(owner) if self._probe is not None else None
         self._writes = GradWrites(summed)
         # Backwards that reached a compiled forward's outputs (of any backend: explain()
-        # compiles the model with its own), then as of the probe's last gradient write.
+        # compiles the model with its own), then as of each probe's last gradient write.
         # No new pass in between: that gradient bypassed the policy.
         self._shared = _SHARED.setdefault(model, _Shared())
-        self._passes_seen = self._shared.passes
+        # The first tells accumulation apart from a fresh step, and each tells a bypass.
+        self._probes = [_Probe(model, name, self._shared.passes) for name in probe_names(model)]
         self._compiled: Callable[[], Any] = lambda: None
-        self._watched: nn.Parameter | None = None  # the probe the hooks are on
 
     def install(self, compiled: nn.Module | WatchedCall) -> None:
         self._compiled = weakref.ref(compiled)
         compiled.register_forward_pre_hook(self._before)
         compiled.register_forward_hook(self._after)
-        self._follow_probe()
+        self._follow_probes()
 
-    def _follow_probe(self) -> None:
-        """Watch the probe parameter, the current one (``load_state_dict(assign=True)``
-        replaces parameters) once it has data (a lazy module's, ``nn.LazyLinear``, has none
+    def _follow_probes(self) -> None:
+        """Watch the probe parameters, the current ones (``load_state_dict(assign=True)``
+        replaces parameters) once they have data (a lazy module's, ``nn.LazyLinear``, has none
         before its first forward)."""
-        current = getattr(self._probe_owner, self._probe_attr, None)
-        if isinstance(current, nn.Parameter):
-            self._probe = current
-        if self._probe is not None and self._probe is not self._watched and not is_lazy(self._probe):
-            self._watched = self._probe
-            self._watch_probe()
-
-    def _watch_probe(self) -> None:
-        self._writes.watch(self._probe)
-        hook_weakly(self._probe, self._check_bypass)
+        for i, probe in enumerate(self._probes):
+            current = getattr(probe.owner, probe.attr, None)
+            if isinstance(current, nn.Parameter):
+                probe.param = current
+            if probe.param is not probe.watched and not is_lazy(probe.param):
+                probe.watched = probe.param
+                if i == 0:
+                    self._writes.watch(probe.param)
+                hook_weakly(probe.param, self._check_bypass)
 
     def _check_bypass(self, param: nn.Parameter) -> None:
-        if param is not self._probe:  # replaced since
+        probe = next((probe for probe in self._probes if probe.watched is param), None)
+        if probe is None:  # replaced since
             return
         # Only for the newest compiled module of the model: compiling it again (another
         # backend or scope, explain(), a notebook cell run twice) leaves this hook behind.
         compiled = self._compiled()
         newest = compiled is not None and self._shared.newest() is compiled
-        if self._shared.passes == self._passes_seen and self.in_graph() and newest:
+        if self._shared.passes == probe.passes_seen and self.in_graph() and newest:
             self.coverage.warn(
-                BYPASSED.format(
-                    param=self._probe_name, model=type(self.model).__name__, transform=self.coverage.transform
-                )
+                BYPASSED.format(param=probe.name, model=type(self.model).__name__, transform=self.coverage.transform)
             )
-        self._passes_seen = self._shared.passes
+        probe.passes_seen = self._shared.passes
 
     def _before(self, module: nn.Module, args: Any) -> None:
         self._runs_before = self.graph_runs()
@@ -299,7 +318,7 @@ class ForwardWatch:
         self._first = False
         if not torch.is_grad_enabled() or not self.in_graph():
             return
-        self._follow_probe()
+        self._follow_probes()
         outputs = [t for t in _compat.tensors_in(output) if t.grad_fn is not None]
         if not outputs:
             return
@@ -309,5 +328,5 @@ class ForwardWatch:
 
     def _backward_reached(self, first: OncePerPass) -> None:
         self._shared.passes += 1
-        if first() and self._probe is not None:
-            self._writes.reaches(self._probe, type(self.model).__name__)
+        if first() and self._probes:
+            self._writes.reaches(self._probes[0].param, type(self.model).__name__)
