@@ -517,10 +517,19 @@ class BranchOnInput(nn.Module):
         return self.head(torch.tanh(h))
 
 
-def test_the_two_sides_of_a_branch_on_a_tensor_are_not_parts_of_one_forward(compile_with):
+class BranchFirst(BranchOnInput):
+    """The branch before any parameter: the frame that starts the forward holds none."""
+
+    def forward(self, x):
+        h = self.a(x @ self.inp.weight.T.detach()) if x.mean() > 0 else self.b(x @ self.inp.weight.T.detach())
+        return self.head(torch.tanh(h))
+
+
+@pytest.mark.parametrize("make", [BranchOnInput, BranchFirst])
+def test_the_two_sides_of_a_branch_on_a_tensor_are_not_parts_of_one_forward(compile_with, make):
     """They are alternatives, like recompiles of one frame: ``head`` is whole in each."""
     torch.manual_seed(0)
-    model = BranchOnInput()
+    model = make()
     expected = copy.deepcopy(model)
     backend = fxgrad.backend(fxgrad.clip_by_norm(0.05), compiler="aot_eager")
     compiled = compile_with(backend, model)

@@ -157,9 +157,12 @@ class GraphRegistry:
         if frame is None:
             return []
         roots = graph.roots()
-        relatives = [other for other in self.current() if other is not graph and other.roots() & roots]
-        first = min(map(self.frame_index, [graph, *relatives]))
-        start = max(g.last_run for g in [graph, *relatives] if self.frame_index(g) == first)
+        current = self.current()
+        relatives = [other for other in current if other is not graph and other.roots() & roots]
+        # the frames that start the forward may hold no parameter (a branch on the input first)
+        frames = [graph, *relatives, *(other for other in current if not other.params)]
+        first = min(map(self.frame_index, frames))
+        start = max(g.last_run for g in frames if self.frame_index(g) == first)
         return [
             other
             for other in relatives
