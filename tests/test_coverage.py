@@ -790,6 +790,14 @@ def test_routing_keys_and_skip_entries_that_reach_no_layer_are_reported(transfor
         compile_with(fxgrad.backend(transform, compiler="aot_eager", skip=skip), model)
 
 
+def test_a_rule_over_a_frozen_layer_is_not_idle():
+    """Gradual unfreezing: ``b`` thaws later, and the mean target is then over two layers."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[1].requires_grad_(False)
+    with coverage_silent():
+        fxgrad.backend(fxgrad.rescale(), compiler="aot_eager").compile(model)
+
+
 def test_routing_keys_that_reach_layers_are_not_reported(compile_with):
     model, _, _ = models.build("gpt2")
     policy = fxgrad.by_name(

@@ -154,7 +154,7 @@ def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model:
     trainable, frozen = model_rows(model, "")
     layers = build_layers(trainable + frozen, (), skip)
     misses = transform.unmatched(layers) if transform is not None else []
-    routes = transform.routes(build_layers(trainable, (), skip)) if transform is not None else []
+    routes = transform.routes(layers) if transform is not None else []  # frozen ones too: they may thaw
     misses += [
         f"{route.leaf!r} reaches only {listed([layer.name for layer in route.layers], 5)}: {why}"
         for route in routes
