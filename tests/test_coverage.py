@@ -798,6 +798,32 @@ def test_a_rule_over_a_frozen_layer_is_not_idle():
         fxgrad.backend(fxgrad.rescale(), compiler="aot_eager").compile(model)
 
 
+class Task(nn.Module):
+    """A head on an encoder that other tasks share; the head comes first, the encoder is larger."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.head, self.encoder = nn.Linear(64, 2), encoder
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def test_a_part_shared_by_two_compiled_models_is_not_reported_as_bypassing_either():
+    """Multi-task training: each task's compiled forward reaches the shared encoder, whose first
+    parameter is a bypass probe of both models."""
+    encoder = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64))
+    tasks = [Task(encoder), Task(encoder)]
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager")
+    compiled = [backend.compile(task) for task in tasks]
+    optimizer = torch.optim.SGD(list(dict.fromkeys(p for task in tasks for p in task.parameters())), lr=0.01)
+    with coverage_silent():
+        for step in range(4):
+            optimizer.zero_grad()
+            compiled[step % 2](torch.randn(4, 8)).square().sum().backward()
+            optimizer.step()
+
+
 def test_routing_keys_that_reach_layers_are_not_reported(compile_with):
     model, _, _ = models.build("gpt2")
     policy = fxgrad.by_name(

@@ -55,7 +55,8 @@ BYPASSED = (
     "fxgrad: a backward wrote the gradient of {param} without passing through a forward of the compiled "
     "{model}, so the policy {transform!r} did not run on it. Call the module that backend.compile() "
     "returned, not the original model, and compile methods other than forward yourself: "
-    "torch.compile(model.method, backend=backend)."
+    "torch.compile(model.method, backend=fxgrad.backend(...)), with a backend of its own (one backend takes "
+    "the graphs of two entry points of a model for parts of one forward)."
 )
 
 
@@ -83,7 +84,6 @@ def hook_weakly(param: nn.Parameter, method: Callable[[nn.Parameter], None]) -> 
 class _Shared:
     """What the compiled modules of one model share, whatever their backend or scope."""
 
-    passes: int = 0  # backwards that reached the outputs of one of its compiled forwards
     wrappers: list[weakref.ref] = dataclasses.field(default_factory=list)  # from backend.compile, oldest first
 
     def newest(self) -> nn.Module | None:
@@ -93,6 +93,17 @@ class _Shared:
 
 
 _SHARED: weakref.WeakKeyDictionary[nn.Module, _Shared] = weakref.WeakKeyDictionary()
+
+
+class _Reached:
+    """The last backward pass that reached the outputs of a compiled forward: of any model (an
+    encoder shared by two compiled task models gets its gradient through either), of any
+    backend (``explain`` compiles the model with its own)."""
+
+    pass_id = -2  # never a pass's (see _compat.backward_pass_id)
+
+
+_REACHED = _Reached()
 
 
 def track_wrapper(model: nn.Module, compiled: nn.Module) -> None:
@@ -238,12 +249,11 @@ def probe_names(model: nn.Module, parts: int = 3) -> list[str]:
 class _Probe:
     """A parameter whose gradient writes a :class:`ForwardWatch` follows, looked up by name."""
 
-    def __init__(self, model: nn.Module, name: str, passes: int) -> None:
+    def __init__(self, model: nn.Module, name: str) -> None:
         owner, _, self.attr = name.rpartition(".")
         self.name, self.owner = name, model.get_submodule(owner)
         self.param: nn.Parameter = getattr(self.owner, self.attr)
         self.watched: nn.Parameter | None = None  # the one the hooks are on
-        self.passes_seen = passes  # backwards through compiled forwards as of its last gradient write
 
 
 class ForwardWatch:
@@ -266,12 +276,10 @@ class ForwardWatch:
         self._runs_before = 0
         self._first = True
         self._writes = GradWrites(summed)
-        # Backwards that reached a compiled forward's outputs (of any backend: explain()
-        # compiles the model with its own), then as of each probe's last gradient write.
-        # No new pass in between: that gradient bypassed the policy.
         self._shared = _SHARED.setdefault(model, _Shared())
-        # The first tells accumulation apart from a fresh step, and each tells a bypass.
-        self._probes = [_Probe(model, name, self._shared.passes) for name in probe_names(model)]
+        # The first tells accumulation apart from a fresh step, and each tells a bypass: a
+        # gradient written in a backward pass that reached no compiled forward's outputs.
+        self._probes = [_Probe(model, name) for name in probe_names(model)]
         self._compiled: Callable[[], Any] = lambda: None
 
     def install(self, compiled: nn.Module | WatchedCall) -> None:
@@ -302,11 +310,10 @@ class ForwardWatch:
         # backend or scope, explain(), a notebook cell run twice) leaves this hook behind.
         compiled = self._compiled()
         newest = compiled is not None and self._shared.newest() is compiled
-        if self._shared.passes == probe.passes_seen and self.in_graph() and newest:
+        if _REACHED.pass_id != _compat.backward_pass_id() and self.in_graph() and newest:
             self.coverage.warn(
                 BYPASSED.format(param=probe.name, model=type(self.model).__name__, transform=self.coverage.transform)
             )
-        probe.passes_seen = self._shared.passes
 
     def _before(self, module: nn.Module, args: Any) -> None:
         self._runs_before = self.graph_runs()
@@ -327,6 +334,6 @@ class ForwardWatch:
             node.register_prehook(lambda grad_outputs: self._backward_reached(first))
 
     def _backward_reached(self, first: OncePerPass) -> None:
-        self._shared.passes += 1
+        _REACHED.pass_id = _compat.backward_pass_id()
         if first() and self._probes:
             self._writes.reaches(self._probes[0].param, type(self.model).__name__)
