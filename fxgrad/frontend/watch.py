@@ -303,14 +303,15 @@ class ForwardWatch:
                 hook_weakly(probe.param, self._check_bypass)
 
     def _check_bypass(self, param: nn.Parameter) -> None:
+        if _REACHED.pass_id == _compat.backward_pass_id():  # every training step's backward: nothing more
+            return
         probe = next((probe for probe in self._probes if probe.watched is param), None)
         if probe is None:  # replaced since
             return
         # Only for the newest compiled module of the model: compiling it again (another
         # backend or scope, explain(), a notebook cell run twice) leaves this hook behind.
         compiled = self._compiled()
-        newest = compiled is not None and self._shared.newest() is compiled
-        if _REACHED.pass_id != _compat.backward_pass_id() and self.in_graph() and newest:
+        if compiled is not None and self._shared.newest() is compiled and self.in_graph():
             self.coverage.warn(
                 BYPASSED.format(param=probe.name, model=type(self.model).__name__, transform=self.coverage.transform)
             )
