@@ -146,8 +146,9 @@ def run_both(
 ):
     """Same model, same inputs; compiled with ``policy`` vs eager + ``reference_step``.
 
-    With ``lr=0`` there is no optimizer step, so the two runs differ only
-    through the policies' state; with ``lr > 0`` both take SGD steps. Every
+    With ``lr=0`` the compiled model's SGD optimizer steps with learning rate 0 (the policy's
+    state moves at optimizer steps), so the two runs differ only through the policies' state;
+    with ``lr > 0`` both take SGD steps, written by hand (a loop with no optimizer). Every
     step after the first runs under :func:`no_host_sync`. ``inputs`` replaces
     :func:`batches`. With ``acts`` (a policy that changes gradients), the
     reference must change them by more than :data:`ACTS` on some step. A list
@@ -159,6 +160,7 @@ def run_both(
     eager = copy.deepcopy(model)
     backend = fxgrad.backend(policy, compiler=compiler)
     compiled = backend.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     results, moved = [], 0.0
     for step, x, weight in inputs if inputs is not None else batches(steps, spikes):
         model.zero_grad()
@@ -172,7 +174,9 @@ def run_both(
         assert_grads_close(model, eager, rtol=rtol)
         if stats is not None:
             stats.append(backend.stats())
-        if lr:
+        if not lr:
+            optimizer.step()
+        else:
             with torch.no_grad():
                 for a, b in zip(model.parameters(), eager.parameters()):
                     a -= lr * a.grad

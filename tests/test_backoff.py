@@ -86,9 +86,11 @@ def test_backoff_state_round_trips_and_never_grows_past_the_threshold():
     backend = fxgrad.backend(policy, compiler="aot_eager")
     model = models.MLP()
     compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the state moves at its step
     for weight in (float("inf"), float("inf"), 1.0):
         model.zero_grad()
         (models.loss_of(compiled(torch.randn(4, 16))) * weight).backward()
+        optimizer.step()  # of zeros on the non-finite steps
     state = backend.state_dict()
     assert state["0.skip_nonfinite/threshold_scale"].item() == 0.5  # 0.25, then grown back once
     restored = fxgrad.backend(policy, compiler="aot_eager")
@@ -96,6 +98,7 @@ def test_backoff_state_round_trips_and_never_grows_past_the_threshold():
     model.zero_grad()
     models.loss_of(torch.compile(model, backend=restored)(torch.randn(4, 16))).backward()
     assert restored.stats()["threshold_scale"].item() == 0.5  # a finite step clips at the lowered threshold
+    optimizer.step()
     model.zero_grad()
     models.loss_of(torch.compile(model, backend=restored)(torch.randn(4, 16))).backward()
     assert restored.stats()["threshold_scale"].item() == 1.0  # grown back after it, and no further

@@ -553,6 +553,7 @@ def test_state_and_stats_survive_a_layer_frozen_every_other_step(scope):
         fxgrad.chain(fxgrad.monitor(), fxgrad.autoclip(history=8)), compiler="aot_eager", scope=scope
     )
     compiled = backend.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the state moves at its step
     for step, x, weight in batches(8, spikes=(5,)):
         for m in (model, eager):
             m.net[3].requires_grad_(step % 2 == 0)
@@ -560,8 +561,7 @@ def test_state_and_stats_survive_a_layer_frozen_every_other_step(scope):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", fxgrad.CoverageWarning)  # "net.3 is frozen"
             (models.loss_of(compiled(x)) * weight).backward()
-            if scope == "step":
-                backend.step()
+            optimizer.step()
         (models.loss_of(eager(x)) * weight).backward()
         expected = monitor.step(eager)
         tau = autoclip.step(eager)
@@ -617,3 +617,92 @@ def test_an_overflow_step_leaves_no_nonfinite_state(policy):
     for key in clean_stats:
         if "ema" in key or "std" in key:
             torch.testing.assert_close(spiked_stats[key], clean_stats[key])
+
+
+# State moves once per optimizer step: a backward pass whose gradients no step takes leaves it.
+STATEFUL = {
+    "zclip_monitor": (
+        lambda: fxgrad.chain(fxgrad.monitor(), fxgrad.zclip(alpha=0.8, z_thresh=1.5, max_norm=100.0, warmup=3)),
+        lambda: [ref.Monitor(0.9, 3.0, 10).step, ref.ZClip(alpha=0.8, z_thresh=1.5, max_norm=100.0, warmup=3).step],
+    ),
+    "autoclip": (
+        lambda: fxgrad.autoclip(percentile=50, history=4),
+        lambda: [ref.AutoClip(percentile=50, history=4, blend=fxgrad.autoclip(percentile=50).blend).step],
+    ),
+    "adagc": (lambda: fxgrad.adagc(lambda_rel=1.02, warmup=2), lambda: [ref.AdaGC(lambda_rel=1.02, warmup=2).step]),
+}
+
+
+def _attack_then_train(net, optimizer, x, y, weight):
+    """FGSM adversarial training: a pass for the input's gradient only, then the step's backward."""
+    optimizer.zero_grad()
+    attacked = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(net(attacked), y), attacked)
+    (torch.nn.functional.cross_entropy(net((x + 0.1 * grad.sign()).detach()), y) * weight).backward()
+
+
+@pytest.mark.parametrize("policy", list(STATEFUL))
+def test_state_ignores_backward_passes_no_optimizer_steps(policy, compile_with):
+    """Adversarial training's attack pass runs the compiled backward too; its parameter
+    gradients are dropped, and so is the state it saved (it advanced twice a step)."""
+    make_policy, make_reference = STATEFUL[policy]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(make_policy(), compiler="aot_eager", scope="graph")
+    compiled = compile_with(backend, model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    reference = make_reference()
+    for step in range(10):
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        weight = 8.0 if step in (6, 8) else 1.0  # spikes the adaptive rules clip
+        _attack_then_train(compiled, optimizers[0], x, y, weight)
+        _attack_then_train(eager, optimizers[1], x, y, weight)
+        for reference_step in reference:
+            reference_step(eager)
+        assert_grads_close(model, eager)
+        for optimizer in optimizers:
+            optimizer.step()
+
+
+def test_a_gan_generator_step_leaves_the_discriminators_state(compile_with):
+    """The generator's backward runs through the discriminator's compiled backward, whose
+    gradients the discriminator's next zero_grad() drops: its ZClip must not see them."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 16))
+    critic = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+    eager_critic = copy.deepcopy(critic)
+    backend = fxgrad.backend(fxgrad.zclip(alpha=0.8, z_thresh=1.5, max_norm=100.0, warmup=3), compiler="aot_eager")
+    critics = [compile_with(backend, critic), eager_critic]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (critic, eager_critic)]
+    reference = ref.ZClip(alpha=0.8, z_thresh=1.5, max_norm=100.0, warmup=3)
+    for step in range(8):
+        z, real = torch.randn(8, 8), torch.randn(8, 16) + 1.0
+        weight = 5.0 if step == 6 else 1.0
+        for net, optimizer in zip(critics, optimizers):
+            optimizer.zero_grad()
+            out = net(torch.cat([real, generator(z).detach()]))
+            ((nn.functional.softplus(-out[:8]).mean() + nn.functional.softplus(out[8:]).mean()) * weight).backward()
+            if net is eager_critic:
+                reference.step(eager_critic)
+            optimizer.step()
+            nn.functional.softplus(-net(generator(z))).mean().backward()  # the generator's step
+        for a, b in zip(critic.parameters(), eager_critic.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_state_that_no_step_ever_keeps_is_reported():
+    """Backward passes with no optimizer step and weights that do not move (changed through
+    .data, which autograd does not see): the state never moves, and the user is told."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.zclip(warmup=2), compiler="aot_eager")
+    compiled = backend.compile(model)
+    with pytest.warns(RuntimeWarning, match="the state has not moved") as caught:
+        for _ in range(10):
+            model.zero_grad()
+            models.loss_of(compiled(torch.randn(4, 16))).backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+    assert len([w for w in caught if "the state has not moved" in str(w.message)]) == 1
+    assert backend.state_dict()["0.zclip/count"].item() == 0.0  # no pass kept

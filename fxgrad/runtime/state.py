@@ -18,12 +18,21 @@ update the same EMAs and histories::
     store.values()["0.monitor/mean/fc2"]        # a live view of the device buffer
 
 :meth:`StateStore.state_dict` maps the keys to tensors for checkpoints.
+
+State moves once per optimizer step, as the eager references' ``step()`` does, not once per
+backward pass: a backward whose gradients no optimizer steps (an adversarial attack's
+``torch.autograd.grad`` of the input, a GAN generator's pass through the discriminator, a
+batch dropped after its backward) leaves it as it was. In graph scope (:class:`Deferral`)
+a backward pass saves into a copy of the buffer; :meth:`StateStore.commit`, at the step of
+an optimizer of the backend's models, keeps the copy, and the next pass drops it unless the
+weights moved since (a loop that updates them itself, with no ``torch.optim`` optimizer).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Sequence
 
@@ -71,15 +80,102 @@ for _op, _kernel, _fake in (("load_state", load_state, _load_state_fake), ("save
 torch.fx.node.has_side_effect(torch.ops.fxgrad.save_state.default)
 
 
-class Slots:
-    """Entries at fixed offsets in one growable float64 buffer on one device."""
+class Deferral:
+    """When a backward pass's saves become the state (graph scope; see the module).
 
-    def __init__(self, device: torch.device) -> None:
+    ``weights()`` maps a few parameters, by id, to their versions, which in-place updates of
+    the weights change. Left off, saves write the state itself (step scope: its program runs
+    once per step)."""
+
+    DROPS = 8  # backward passes dropped, no step ever having kept one, before it warns
+
+    def __init__(self) -> None:
+        self.on = False
+        self.weights: Callable[[], dict[int, int]] = dict
+        self.committed = False
+        self._drops = 0
+
+    def moved(self, before: dict[int, int]) -> bool:
+        """Whether a parameter's version changed since ``weights()`` gave ``before``."""
+        now = self.weights()
+        return any(now.get(key, version) != version for key, version in before.items())
+
+    def dropped(self) -> None:
+        """A pass's saves were dropped: warn once if no optimizer step ever kept any."""
+        self._drops += 1
+        if not self.committed and self._drops == self.DROPS:
+            warnings.warn(NEVER_KEPT, RuntimeWarning, stacklevel=2)
+
+
+NEVER_KEPT = (
+    "fxgrad: the policy's state (EMAs, histories, warm-up counts) moves once per optimizer.step() of an optimizer "
+    "of the compiled models, and in graph scope only a backward pass's state that such a step follows is kept. "
+    "Backward passes ran, and no step came, nor did the weights change between them (with .data, they change "
+    "unseen): the state has not moved. Step with a torch.optim optimizer, or change the weights in place "
+    "under torch.no_grad()."
+)
+
+
+class Slots:
+    """Entries at fixed offsets in one growable float64 buffer on one device.
+
+    With a :class:`Deferral` that is on, saves go to a copy of the buffer that belongs to one
+    backward pass: loads in that pass read it, :meth:`commit` copies it into the buffer,
+    and the first load or save of another pass drops it (or keeps it, the weights having
+    moved)."""
+
+    def __init__(self, device: torch.device, deferral: Deferral | None = None) -> None:
         self.device = device
         self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}  # key -> (offset, shape)
         self._views: dict[str | tuple[int, int], torch.Tensor] = {}  # of the buffer, by key or span
         with _compat.outside_dispatch_modes():
             self.buffer = torch.empty(0, dtype=torch.float64, device=device)
+        self._deferral = deferral
+        self._copy: torch.Tensor | None = None  # the buffer as one backward pass saved it
+        self._copy_pass: int | None = None  # that pass's id; None: none (the copy is stale)
+        self._copy_weights: dict[int, int] = {}  # Deferral.weights() at that pass
+
+    def commit(self) -> None:
+        """Keep what the latest backward pass saved."""
+        if self._copy_pass is not None:
+            self.buffer.copy_(self._copy)
+            self._copy_pass = None
+
+    def drop(self) -> None:
+        """Forget what the latest backward pass saved."""
+        self._copy_pass = None
+
+    def source(self) -> torch.Tensor:
+        """The buffer loads read: deferred, this backward pass's copy once it saved, else the buffer."""
+        if self._copy_pass is not None and self._copy_pass != _compat.backward_pass_id():
+            self._settle()
+        return self.buffer if self._copy_pass is None else self._copy
+
+    def target(self) -> torch.Tensor:
+        """The buffer saves write: the buffer, or deferred, this backward pass's copy."""
+        deferral = self._deferral
+        if deferral is None or not deferral.on:
+            return self.buffer
+        pass_id = _compat.backward_pass_id()
+        if self._copy_pass is not None and self._copy_pass != pass_id:
+            self._settle()
+        if self._copy_pass is None:  # this pass's first save: a copy of the state as it is
+            if self._copy is None:
+                with _compat.outside_dispatch_modes():
+                    self._copy = self.buffer.clone()
+            else:
+                self._copy.copy_(self.buffer)
+            self._copy_pass, self._copy_weights = pass_id, deferral.weights()
+        return self._copy
+
+    def _settle(self) -> None:
+        """Another backward pass saved the copy, and no optimizer step kept it: keep it if the
+        weights moved since (a loop that updates them itself), else drop it."""
+        if self._deferral.moved(self._copy_weights):
+            self.commit()
+        else:
+            self.drop()
+            self._deferral.dropped()
 
     def place(self, entries: Sequence[Entry], initial: dict[str, torch.Tensor]) -> list[int]:
         """Offsets of every element of ``entries``, appending the keys not placed yet
@@ -91,9 +187,10 @@ class Slots:
                     _loaded(key, initial[key], shape) if key in initial else torch.full(shape, init)
                     for key, shape, init in new
                 ]
-                pieces = [self.buffer] + [v.to(torch.float64).reshape(-1).to(self.device) for v in values]
+                pieces = [v.to(torch.float64).reshape(-1).to(self.device) for v in values]
                 offset = self.buffer.numel()
-                self.buffer = torch.cat(pieces)
+                self.buffer = torch.cat([self.buffer, *pieces])
+                self._copy = None if self._copy_pass is None else torch.cat([self._copy, *pieces])
                 self._views.clear()
             for key, shape, _ in new:
                 self.layout[key] = (offset, shape)
@@ -148,15 +245,19 @@ class Group:
         return None if self._index is not None else self.slots.span(*self._range)
 
     def load(self) -> torch.Tensor:
+        source = self.slots.source()
         if self._index is not None:
-            return self.slots.buffer.index_select(0, self._index)
-        return self.view().clone()
+            return source.index_select(0, self._index)
+        return self.view().clone() if source is self.slots.buffer else source[slice(*self._range)].clone()
 
     def save(self, value: torch.Tensor) -> None:
+        target = self.slots.target()
         if self._index is not None:
-            self.slots.buffer.index_copy_(0, self._index, value)
-        else:
+            target.index_copy_(0, self._index, value)
+        elif target is self.slots.buffer:
             self.view().copy_(value)
+        else:
+            target[slice(*self._range)].copy_(value)
         self.saved()
 
     def saved(self) -> None:
@@ -209,16 +310,17 @@ class StateStore:
         self._layer_stats: dict[str, tuple[str, str]] = {}  # per-layer statistic key -> (statistic, layer)
         self._step: list[Group] = []  # statistics groups saved in the latest step
         self._overlap: dict[tuple[str, str], bool] = {}  # do two groups share a per-layer statistic?
+        self.deferral = Deferral()  # graph scope turns it on
 
     def group(self, label: str, entries: Sequence[Entry], device: torch.device) -> Group:
         """The group of ``entries`` (state), placing entries seen for the first time."""
-        return self._group(label, entries, device, self._state, self._pending, None)
+        return self._group(label, entries, device, self._state, self._pending, None, self.deferral)
 
     def stats_group(self, keys: Sequence[str], device: torch.device, per_layer: dict[str, tuple[str, str]]) -> Group:
         """The group of 0-dim statistics ``keys``; ``per_layer`` maps those that are one
         layer's value of a statistic to ``(statistic, layer)``."""
         self._layer_stats.update(per_layer)
-        return self._group("stats", [(k, (), 0.0) for k in keys], device, self._stats, {}, self._stats_saved)
+        return self._group("stats", [(k, (), 0.0) for k in keys], device, self._stats, {}, self._stats_saved, None)
 
     def _group(
         self,
@@ -228,11 +330,12 @@ class StateStore:
         table: dict[torch.device, Slots],
         initial: dict[str, torch.Tensor],
         on_save: Callable[[Group], None] | None,
+        deferral: Deferral | None,
     ) -> Group:
         keys = [key for key, _, _ in entries]
         found = self._groups.get((id(table), device, tuple(keys)))
         if found is None:
-            slots = table.setdefault(device, Slots(device))
+            slots = table.setdefault(device, Slots(device, deferral))
             found = Group(label, slots, keys, slots.place(entries, initial), on_save)
             self._groups[(id(table), device, tuple(keys))] = found
         return found
@@ -268,6 +371,12 @@ class StateStore:
         """Live views of every entry, by key."""
         table = self._stats if stats else self._state
         return {key: slots.view(key) for slots in table.values() for key in slots.layout}
+
+    def commit(self) -> None:
+        """An optimizer steps the gradients of the latest backward pass: keep the state it saved."""
+        self.deferral.committed = True
+        for slots in self._state.values():
+            slots.commit()
 
     def stat(self, key: str) -> torch.Tensor:
         """A live view of the statistic ``key`` (``KeyError`` until a step wrote it)."""
@@ -306,6 +415,8 @@ class StateStore:
         for key, value in state.items():
             _loaded(key, value, tuple(live[key].shape) if key in live else None)
         with torch.no_grad():
+            for slots in self._state.values():
+                slots.drop()  # a backward pass's, before the checkpoint
             for key, value in state.items():
                 if key in live:
                     live[key].copy_(value)
