@@ -739,6 +739,51 @@ def test_gradients_changed_outside_the_compiled_backward_are_reported(outside, c
     assert ("of 2 are" if outside == "head reused" else "of 0, 2 are") in told[0]
 
 
+def _passes_then_step(combine, compiled, model, optimizer, x):
+    """The backward passes of one training step, ``combine`` saying how their gradients reach ``.grad``."""
+    params = list(model.parameters())
+    halves = [compiled(part).pow(2).mean() for part in (x[:2], x[2:])]
+    optimizer.zero_grad()
+    if combine == "pcgrad":  # per task: zero_grad, backward, keep a copy; then their combination
+        grads = []
+        for loss in halves:
+            optimizer.zero_grad()
+            loss.backward()
+            grads.append([p.grad.clone() for p in params])
+        for p, a, b in zip(params, *grads):
+            p.grad = a + b
+    elif combine == "autograd.grad summed":
+        grads = [torch.autograd.grad(loss, params) for loss in halves]
+        for p, a, b in zip(params, *grads):
+            p.grad = a + b
+    elif combine == "attack pass first":  # adversarial training: a pass for the input's gradient
+        attacked = x.clone().requires_grad_(True)
+        torch.autograd.grad(compiled(attacked).pow(2).mean(), attacked)
+        compiled(x).pow(2).mean().backward()
+    elif combine == "a pass dropped":
+        halves[0].backward()
+        optimizer.zero_grad()
+        halves[1].backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("combine", ["pcgrad", "autograd.grad summed", "attack pass first", "a pass dropped"])
+def test_gradients_of_several_passes_combined_by_hand_are_reported(combine, compile_with):
+    """Graph scope transforms each pass's gradients: assigning their combination to .grad
+    (PCGrad, micro-batches summed from torch.autograd.grad) steps gradients the policy never
+    saw. A pass whose gradients are dropped before the one stepped changes nothing."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    compiled = compile_with(backend, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            _passes_then_step(combine, compiled, model, optimizer, torch.randn(4, 8))
+    told = [str(w.message) for w in caught if "not the ones the compiled backward returned" in str(w.message)]
+    assert len(told) == (1 if combine in ("pcgrad", "autograd.grad summed") else 0), told
+
+
 def test_create_graph_and_an_optimizer_stepped_in_the_backward_are_not_taken_for_changes_outside():
     """backward(create_graph=True) makes autograd copy every gradient into .grad; an optimizer
     stepped per parameter by a post-accumulate hook drops each .grad inside the backward."""

@@ -44,9 +44,10 @@ CHANGED = (
     "fxgrad: the gradients of {layers} are not the ones the compiled backward returned, transformed by "
     "{transform!r}: code outside the compiled model added to them in the same backward (an eager L2 penalty "
     "over model.parameters() added to the loss, a weight also used outside the compiled forward), or changed "
-    "them in place before optimizer.step() (a clip_grad_norm_ after the policy). The policy did not see that "
-    "part. Use fxgrad.backend(..., scope='step'), which transforms the summed .grad at the step; or move that "
-    "use into the compiled forward (weight decay: into the optimizer)."
+    "them in place before optimizer.step() (a clip_grad_norm_ after the policy), or replaced them (gradients of "
+    "several backward passes combined by hand, as PCGrad does, and assigned to .grad). The policy did not see "
+    "that part, or the combination. Use fxgrad.backend(..., scope='step'), which transforms the final .grad at "
+    "the step; or move that use into the compiled forward (weight decay: into the optimizer)."
 )
 
 
@@ -61,8 +62,9 @@ class OutsideUses:
         self._told = False
         self._passes: set[int] = set()  # the backward passes noted since the last check
         # id(parameter) -> (the parameter, weakly; the gradient returned for it: its data pointer (None:
-        # not checked) and version). Not the gradient itself: holding it, autograd would copy it into .grad.
-        self._returned: dict[int, tuple[weakref.ref, int | None, int]] = {}
+        # not checked) and version; the backward pass). Not the gradient itself: holding it, autograd
+        # would copy it into .grad.
+        self._returned: dict[int, tuple[weakref.ref, int | None, int, int]] = {}
 
     @property
     def watching(self) -> bool:
@@ -90,7 +92,8 @@ class OutsideUses:
             node.register_hook(lambda grads, _, leaves=leaves: self._returned_grads(leaves, grads))
 
     def _returned_grads(self, leaves: list[weakref.ref | None], grads: tuple) -> None:
-        self._passes.add(_compat.backward_pass_id())
+        pass_id = _compat.backward_pass_id()
+        self._passes.add(pass_id)
         if torch.is_grad_enabled():  # backward(create_graph=True): autograd copies every gradient into .grad
             return
         pointers = [None if grad is None or grad.layout != torch.strided else grad.data_ptr() for grad in grads]
@@ -102,12 +105,15 @@ class OutsideUses:
             key = id(param)
             # Left unchecked: accumulation and two forwards in one loss (said elsewhere), and what
             # autograd copies into .grad: a gradient in another layout than its parameter's, or
-            # one returned for two parameters (a shared expression).
+            # one returned for two parameters (a shared expression). A pass after the gradient was
+            # zeroed is checked anew: gradients of several passes combined by hand and assigned
+            # to .grad (PCGrad, micro-batches summed from torch.autograd.grad) are a change.
             copied = grad.stride() != param.stride() or pointer in repeated
-            if param.grad is not None or key in self._returned or copied:
-                self._returned[key] = (ref, None, 0)
+            twice = key in self._returned and self._returned[key][3] == pass_id
+            if param.grad is not None or twice or copied:
+                self._returned[key] = (ref, None, 0, pass_id)
             else:
-                self._returned[key] = (ref, pointer, _compat.tensor_version(grad))
+                self._returned[key] = (ref, pointer, _compat.tensor_version(grad), pass_id)
 
     def check(self, optimizer: torch.optim.Optimizer, transform: Any, layer_of: Callable[[], dict[int, str]]) -> None:
         """At ``optimizer``'s step, before it updates; ``layer_of()``: the layer of each
@@ -119,7 +125,7 @@ class OutsideUses:
             return
         changed = []
         for key in checked:
-            param_ref, pointer, version = self._returned.pop(key)
+            param_ref, pointer, version, _ = self._returned.pop(key)
             param = param_ref()
             grad = None if param is None or pointer is None else param.grad
             if grad is None:
