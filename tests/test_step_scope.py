@@ -311,6 +311,25 @@ def test_a_loop_of_autograd_grad_is_told_that_step_scope_reads_dot_grad(compile_
                     p -= 0.1 * g
 
 
+def test_adversarial_attack_passes_before_the_first_step_are_not_reported(compile_with):
+    """PGD: several passes for the input's gradient, then the step's backward and the step.
+    The attack's passes write no .grad, and no weight moves between them."""
+    model, _ = mlp_and_copy()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    compiled = compile_with(backend, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with coverage_silent():
+        for _ in range(2):
+            x = torch.randn(4, 16)
+            for _ in range(3):
+                attacked = x.requires_grad_(True)
+                (grad,) = torch.autograd.grad(models.loss_of(compiled(attacked)), attacked)
+                x = (x + 0.01 * grad.sign()).detach()
+            optimizer.zero_grad()
+            models.loss_of(compiled(x)).backward()
+            optimizer.step()
+
+
 def test_a_loop_that_calls_step_or_skips_one_batch_is_not_reported(compile_with):
     model, _ = mlp_and_copy()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")

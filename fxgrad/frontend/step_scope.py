@@ -182,6 +182,7 @@ class PolicyRuns:
         self._told = False
         # per probe (one parameter per compiled graph): backwards in a row that found its gradient dropped
         self._dropped: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._versions: WeakIdKeyDictionary = WeakIdKeyDictionary()  # per probe, at its last counted backward
 
     def ran(self) -> None:
         self._ran = True
@@ -194,9 +195,17 @@ class PolicyRuns:
     def backward_started(self, probe: nn.Parameter, accumulating: bool, written: bool = True) -> None:
         """A backward reaches a compiled graph of which ``probe`` is a parameter; ``accumulating``:
         whether ``probe.grad`` still holds the previous backward's gradient; ``written``: whether
-        any backward wrote ``probe.grad`` (``torch.autograd.grad`` returns gradients instead)."""
+        any backward wrote ``probe.grad`` (``torch.autograd.grad`` returns gradients instead).
+        Passes that write no ``.grad`` count only once the weights moved since the last one
+        counted: an adversarial attack's passes (``torch.autograd.grad`` of the input) before
+        the first step leave them as they are, a loop that updates them itself does not."""
         if not self.watching:
             return
+        if not written:
+            version = _compat.tensor_version(probe)
+            if self._versions.get(probe) == version:
+                return
+            self._versions[probe] = version
         dropped = self._dropped.get(probe)
         self._dropped[probe] = 0 if dropped is None or accumulating else dropped + 1
         if self._dropped[probe] >= 2 and not torch.distributed.is_initialized():
