@@ -706,3 +706,20 @@ def test_state_that_no_step_ever_keeps_is_reported():
                 p.data.add_(p.grad, alpha=-0.1)
     assert len([w for w in caught if "the state has not moved" in str(w.message)]) == 1
     assert backend.state_dict()["0.zclip/count"].item() == 0.0  # no pass kept
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_one_backend_for_a_gans_two_networks_and_a_stateful_rule_is_reported(scope, compile_with):
+    """Each network's optimizer steps it alone, and one ZClip state would take both norms."""
+    generator, critic = nn.Sequential(nn.Linear(8, 16)), nn.Sequential(nn.Linear(16, 1))
+    backend = fxgrad.backend(fxgrad.zclip(warmup=2), compiler="aot_eager", scope=scope)
+    nets = [compile_with(backend, net) for net in (generator, critic)]
+    optimizers = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (generator, critic)]
+    with pytest.warns(fxgrad.CoverageWarning, match="stepped by different optimizers"):
+        for _ in range(2):
+            optimizers[1].zero_grad()
+            nets[1](nets[0](torch.randn(4, 8)).detach()).mean().backward()
+            optimizers[1].step()
+            optimizers[0].zero_grad()
+            nets[1](nets[0](torch.randn(4, 8))).mean().backward()
+            optimizers[0].step()
