@@ -87,7 +87,7 @@ class Deferral:
     the weights change. Left off, saves write the state itself (step scope: its program runs
     once per step)."""
 
-    DROPS = 8  # backward passes dropped, no step ever having kept one, before it warns
+    DROPS = 64  # backward passes dropped, no step ever having kept one, before it warns (not a long accumulation)
 
     def __init__(self) -> None:
         self.on = False
