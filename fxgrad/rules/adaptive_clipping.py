@@ -41,7 +41,7 @@ def _report(ctx: RouteContext, total: torch.Tensor, coef: torch.Tensor) -> None:
 class AutoClip(ScaleLeaf):
     """Adaptive percentile clipping (AutoClip, Seetharaman et al. 2020), on the device.
 
-    Each backward: the global norm ``n`` (before clipping) is pushed into a
+    Each step: the global norm ``n`` (before clipping) is pushed into a
     ring buffer of the last ``history`` norms; the threshold becomes
     ``tau <- (1 - blend) * tau + blend * percentile(buffer, percentile)``
     (``tau`` is the percentile itself on the first step); then the global norm
