@@ -97,13 +97,6 @@ DTENSOR_IN_GRAPH = (
 )
 
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
-SHARED_STATE = (
-    "fxgrad: {transform!r} keeps state from step to step (EMAs, histories, counts), and this backend's models "
-    "{models} are stepped by different optimizers (a GAN's generator and discriminator): their steps would "
-    "update one state with the norms of both. Give each model a backend of its own: "
-    "torch.compile(model, backend=fxgrad.backend(policy))."
-)
-
 SCOPES = ("auto", "graph", "step")
 
 
@@ -663,7 +656,6 @@ class Backend:
             why = folding.cancelled(optimizer, self.transform)
             if why is not None:
                 warn(why, CoverageWarning)
-            self._check_state_shared(optimizer)
             max_norm = trainer_clip() if self.transform.changes_gradients() else None
             if max_norm is not None:
                 when = "before" if self.current_scope() == "step" else "after"
@@ -693,18 +685,6 @@ class Backend:
             self._update_factors.before_step(optimizer)
         if factors is not None:
             self._folds.give_factor(optimizer, factors)
-
-    def _check_state_shared(self, optimizer: torch.optim.Optimizer) -> None:
-        """At an optimizer's first step: warn if the policy keeps state and another of the models
-        has gradients that this optimizer does not step (it has one of its own)."""
-        if not self.store.values():
-            return
-        stepped = stepped_ids(optimizer)
-        models = [model for model, _ in self._step_models()]
-        others = [model for model in models if not any(id(p) in stepped for p in model.parameters())]
-        if len(others) < len(models) and any(p.grad is not None for model in others for p in model.parameters()):
-            names = ", ".join(sorted({type(model).__name__ for model in models}))
-            warn(SHARED_STATE.format(transform=self.transform, models=f"({names})"), CoverageWarning)
 
     def _check_scaler_given(self, optimizer: torch.optim.Optimizer, first_step: bool) -> None:
         """Say once per optimizer that a GradScaler steps it and the policy read the gradients the
