@@ -17,7 +17,6 @@ import torch.nn as nn
 from parity import assert_grads_close, batches, grads_of, run_both
 
 import fxgrad
-from fxgrad.runtime.state import Deferral
 
 
 def test_autoclip_matches_numpy_percentile_reference():
@@ -634,18 +633,21 @@ STATEFUL = {
 }
 
 
-def _attack_then_train(net, optimizer, x, y, weight):
+def _attack_then_train(net, optimizer, x, y, weight, attack=True):
     """FGSM adversarial training: a pass for the input's gradient only, then the step's backward."""
     optimizer.zero_grad()
-    attacked = x.clone().requires_grad_(True)
-    (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(net(attacked), y), attacked)
-    (torch.nn.functional.cross_entropy(net((x + 0.1 * grad.sign()).detach()), y) * weight).backward()
+    if attack:
+        attacked = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(net(attacked), y), attacked)
+        x = (x + 0.1 * grad.sign()).detach()
+    (torch.nn.functional.cross_entropy(net(x), y) * weight).backward()
 
 
 @pytest.mark.parametrize("policy", list(STATEFUL))
 def test_state_ignores_backward_passes_no_optimizer_steps(policy, compile_with):
     """Adversarial training's attack pass runs the compiled backward too; its parameter
-    gradients are dropped, and so is the state it saved (it advanced twice a step)."""
+    gradients are dropped, and so is the state it saved (it advanced twice a step). From the
+    first optimizer step on: before it, every pass moves the state (a loop may have no step)."""
     make_policy, make_reference = STATEFUL[policy]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
@@ -657,8 +659,8 @@ def test_state_ignores_backward_passes_no_optimizer_steps(policy, compile_with):
     for step in range(10):
         x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
         weight = 8.0 if step in (6, 8) else 1.0  # spikes the adaptive rules clip
-        _attack_then_train(compiled, optimizers[0], x, y, weight)
-        _attack_then_train(eager, optimizers[1], x, y, weight)
+        _attack_then_train(compiled, optimizers[0], x, y, weight, attack=step > 0)
+        _attack_then_train(eager, optimizers[1], x, y, weight, attack=step > 0)
         for reference_step in reference:
             reference_step(eager)
         assert_grads_close(model, eager)
@@ -692,35 +694,47 @@ def test_a_gan_generator_step_leaves_the_discriminators_state(compile_with):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_state_that_no_step_ever_keeps_is_reported():
-    """Backward passes with no optimizer step and weights that do not move (changed through
-    .data, which autograd does not see): the state never moves, and the user is told."""
+class _First(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc0 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.fc0(x))
+
+
+class _Second(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.fc1(x))
+
+
+def test_state_of_blocks_under_reentrant_checkpointing_moves_once_a_step():
+    """Reentrant activation checkpointing (DeepSpeed's, Megatron's) runs each block's backward
+    as a backward pass of its own inside the step's: every block's state is kept."""
     torch.manual_seed(0)
-    model = models.MLP()
-    backend = fxgrad.backend(fxgrad.zclip(warmup=2), compiler="aot_eager")
-    compiled = backend.compile(model)
-    with pytest.warns(RuntimeWarning, match="the state has not moved") as caught:
-        for _ in range(Deferral.DROPS + 2):
-            model.zero_grad()
-            models.loss_of(compiled(torch.randn(4, 16))).backward()
-            for p in model.parameters():
-                p.data.add_(p.grad, alpha=-0.1)
-    assert len([w for w in caught if "the state has not moved" in str(w.message)]) == 1
-    assert backend.state_dict()["0.zclip/count"].item() == 0.0  # no pass kept
-
-
-@pytest.mark.parametrize("scope", ["graph", "step"])
-def test_one_backend_for_a_gans_two_networks_and_a_stateful_rule_is_reported(scope, compile_with):
-    """Each network's optimizer steps it alone, and one ZClip state would take both norms."""
-    generator, critic = nn.Sequential(nn.Linear(8, 16)), nn.Sequential(nn.Linear(16, 1))
-    backend = fxgrad.backend(fxgrad.zclip(warmup=2), compiler="aot_eager", scope=scope)
-    nets = [compile_with(backend, net) for net in (generator, critic)]
-    optimizers = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (generator, critic)]
-    with pytest.warns(fxgrad.CoverageWarning, match="stepped by different optimizers"):
-        for _ in range(2):
-            optimizers[1].zero_grad()
-            nets[1](nets[0](torch.randn(4, 8)).detach()).mean().backward()
-            optimizers[1].step()
-            optimizers[0].zero_grad()
-            nets[1](nets[0](torch.randn(4, 8))).mean().backward()
-            optimizers[0].step()
+    blocks = nn.Sequential(_First(), _Second())
+    eager = copy.deepcopy(blocks)
+    backend = fxgrad.backend(fxgrad.monitor(ema=0.8, warmup=2), compiler="aot_eager")
+    for block in blocks:
+        backend.compile(block, in_place=True)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (blocks, eager)]
+    reference = ref.Monitor(0.8, 3.0, 2)
+    for _ in range(5):
+        x = torch.randn(8, 16, requires_grad=True)
+        for model, optimizer in zip((blocks, eager), optimizers):
+            optimizer.zero_grad()
+            h = x
+            for block in model:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True) if model is blocks else block(h)
+            h.pow(2).mean().backward()
+            if model is eager:
+                expected = reference.step(eager)
+            optimizer.step()
+    state = backend.state_dict()
+    for name, layer in (("0.fc0", "fc0"), ("1.fc1", "fc1")):
+        assert state[f"0.monitor/mean/{layer}"].item() == pytest.approx(expected[name]["grad_norm_ema"], rel=1e-5)
+        assert state[f"0.monitor/count/{layer}"].item() == 5

@@ -313,15 +313,6 @@ class Backend:
         graph.compiled = weakref.ref(run)
         return run
 
-    def _weights_versions(self) -> dict[int, int]:
-        """The versions of each graph's first trainable parameter, by id, which in-place updates
-        of the weights change (see :class:`fxgrad.runtime.state.Deferral`)."""
-        firsts = (
-            next((t for p in graph.params if (t := p.tensor()) is not None and t.requires_grad), None)
-            for graph in self.registry.current()
-        )
-        return {id(t): _compat.tensor_version(t) for t in firsts if t is not None}
-
     def _rebind(self, graph: CapturedGraph, args: tuple) -> None:
         """Dynamo runs ``graph`` with parameters other than those it was compiled for.
 
@@ -515,8 +506,6 @@ class Backend:
         if self._coverage is not None:
             self._coverage.graph(self.registry, graph, plan, has_grad)
         graph.routes = plan.active_routes()
-        self.store.deferral.on = True  # state moves at the optimizer's step, not at each backward
-        self.store.deferral.weights = self._weights_versions
         if self.compiler == "inductor":
             _refuse_sparse(plan, outputs)
         if self.keep_code:

@@ -22,17 +22,18 @@ update the same EMAs and histories::
 State moves once per optimizer step, as the eager references' ``step()`` does, not once per
 backward pass: a backward whose gradients no optimizer steps (an adversarial attack's
 ``torch.autograd.grad`` of the input, a GAN generator's pass through the discriminator, a
-batch dropped after its backward) leaves it as it was. In graph scope (:class:`Deferral`)
-a backward pass saves into a copy of the buffer; :meth:`StateStore.commit`, at the step of
-an optimizer of the backend's models, keeps the copy, and the next pass drops it unless the
-weights moved since (a loop that updates them itself, with no ``torch.optim`` optimizer).
+batch dropped after its backward) leaves it as it was. Once :meth:`StateStore.commit` ran
+(graph scope: at the step of an optimizer of the backend's models), a group's save goes to a
+copy of the buffer, which that pass's loads of the group read and the next commit keeps: the
+last pass to save a group before a step wins, and the others' saves are lost. Before the
+first commit, saves write the buffer (a loop that steps no ``torch.optim`` optimizer moves
+its state at each backward, as before); a step program writes it at the step anyway.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import warnings
 import weakref
 from typing import Any, Callable, Iterable, Sequence
 
@@ -80,102 +81,27 @@ for _op, _kernel, _fake in (("load_state", load_state, _load_state_fake), ("save
 torch.fx.node.has_side_effect(torch.ops.fxgrad.save_state.default)
 
 
-class Deferral:
-    """When a backward pass's saves become the state (graph scope; see the module).
-
-    ``weights()`` maps a few parameters, by id, to their versions, which in-place updates of
-    the weights change. Left off, saves write the state itself (step scope: its program runs
-    once per step)."""
-
-    DROPS = 64  # backward passes dropped, no step ever having kept one, before it warns (not a long accumulation)
-
-    def __init__(self) -> None:
-        self.on = False
-        self.weights: Callable[[], dict[int, int]] = dict
-        self.committed = False
-        self._drops = 0
-
-    def moved(self, before: dict[int, int]) -> bool:
-        """Whether a parameter's version changed since ``weights()`` gave ``before``."""
-        now = self.weights()
-        return any(now.get(key, version) != version for key, version in before.items())
-
-    def dropped(self) -> None:
-        """A pass's saves were dropped: warn once if no optimizer step ever kept any."""
-        self._drops += 1
-        if not self.committed and self._drops == self.DROPS:
-            warnings.warn(NEVER_KEPT, RuntimeWarning, stacklevel=2)
-
-
-NEVER_KEPT = (
-    "fxgrad: the policy's state (EMAs, histories, warm-up counts) moves once per optimizer.step() of an optimizer "
-    "of the compiled models, and in graph scope only a backward pass's state that such a step follows is kept. "
-    "Backward passes ran, and no step came, nor did the weights change between them (with .data, they change "
-    "unseen): the state has not moved. Step with a torch.optim optimizer, or change the weights in place "
-    "under torch.no_grad()."
-)
-
-
 class Slots:
     """Entries at fixed offsets in one growable float64 buffer on one device.
 
-    With a :class:`Deferral` that is on, saves go to a copy of the buffer that belongs to one
-    backward pass: loads in that pass read it, :meth:`commit` copies it into the buffer,
-    and the first load or save of another pass drops it (or keeps it, the weights having
-    moved)."""
+    Once ``deferring`` (see the module), groups save into a copy of the buffer until
+    :meth:`commit` copies what they saved into it."""
 
-    def __init__(self, device: torch.device, deferral: Deferral | None = None) -> None:
+    def __init__(self, device: torch.device, deferring: bool = False) -> None:
         self.device = device
         self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}  # key -> (offset, shape)
         self._views: dict[str | tuple[int, int], torch.Tensor] = {}  # of the buffer, by key or span
         with _compat.outside_dispatch_modes():
             self.buffer = torch.empty(0, dtype=torch.float64, device=device)
-        self._deferral = deferral
-        self._copy: torch.Tensor | None = None  # the buffer as one backward pass saved it
-        self._copy_pass: int | None = None  # that pass's id; None: none (the copy is stale)
-        self._copy_weights: dict[int, int] = {}  # Deferral.weights() at that pass
+        self.deferring = deferring
+        self.copy: torch.Tensor | None = None  # what groups saved since the last commit, at their places
+        self.deferred: dict[Group, int] = {}  # the groups that saved there, in save order: their pass
 
     def commit(self) -> None:
-        """Keep what the latest backward pass saved."""
-        if self._copy_pass is not None:
-            self.buffer.copy_(self._copy)
-            self._copy_pass = None
-
-    def drop(self) -> None:
-        """Forget what the latest backward pass saved."""
-        self._copy_pass = None
-
-    def source(self) -> torch.Tensor:
-        """The buffer loads read: deferred, this backward pass's copy once it saved, else the buffer."""
-        if self._copy_pass is not None and self._copy_pass != _compat.backward_pass_id():
-            self._settle()
-        return self.buffer if self._copy_pass is None else self._copy
-
-    def target(self) -> torch.Tensor:
-        """The buffer saves write: the buffer, or deferred, this backward pass's copy."""
-        deferral = self._deferral
-        if deferral is None or not deferral.on:
-            return self.buffer
-        pass_id = _compat.backward_pass_id()
-        if self._copy_pass is not None and self._copy_pass != pass_id:
-            self._settle()
-        if self._copy_pass is None:  # this pass's first save: a copy of the state as it is
-            if self._copy is None:
-                with _compat.outside_dispatch_modes():
-                    self._copy = self.buffer.clone()
-            else:
-                self._copy.copy_(self.buffer)
-            self._copy_pass, self._copy_weights = pass_id, deferral.weights()
-        return self._copy
-
-    def _settle(self) -> None:
-        """Another backward pass saved the copy, and no optimizer step kept it: keep it if the
-        weights moved since (a loop that updates them itself), else drop it."""
-        if self._deferral.moved(self._copy_weights):
-            self.commit()
-        else:
-            self.drop()
-            self._deferral.dropped()
+        """Keep what groups saved since the last commit."""
+        for group in self.deferred:
+            group.keep()
+        self.deferred.clear()
 
     def place(self, entries: Sequence[Entry], initial: dict[str, torch.Tensor]) -> list[int]:
         """Offsets of every element of ``entries``, appending the keys not placed yet
@@ -190,7 +116,8 @@ class Slots:
                 pieces = [v.to(torch.float64).reshape(-1).to(self.device) for v in values]
                 offset = self.buffer.numel()
                 self.buffer = torch.cat([self.buffer, *pieces])
-                self._copy = None if self._copy_pass is None else torch.cat([self._copy, *pieces])
+                if self.copy is not None:
+                    self.copy = torch.cat([self.copy, *pieces])
                 self._views.clear()
             for key, shape, _ in new:
                 self.layout[key] = (offset, shape)
@@ -245,20 +172,43 @@ class Group:
         return None if self._index is not None else self.slots.span(*self._range)
 
     def load(self) -> torch.Tensor:
-        source = self.slots.source()
+        slots = self.slots
+        if slots.deferred and slots.deferred.get(self) == _compat.backward_pass_id():  # saved in this pass
+            return self._read(slots.copy)
         if self._index is not None:
-            return source.index_select(0, self._index)
-        return self.view().clone() if source is self.slots.buffer else source[slice(*self._range)].clone()
+            return slots.buffer.index_select(0, self._index)
+        return self.view().clone()
 
     def save(self, value: torch.Tensor) -> None:
-        target = self.slots.target()
+        slots = self.slots
+        if not slots.deferring:
+            if self._index is not None:
+                slots.buffer.index_copy_(0, self._index, value)
+            else:
+                self.view().copy_(value)
+        else:
+            if slots.copy is None:
+                with _compat.outside_dispatch_modes():
+                    slots.copy = torch.empty_like(slots.buffer)
+            self._write(slots.copy, value)
+            slots.deferred.pop(self, None)
+            slots.deferred[self] = _compat.backward_pass_id()
+        self.saved()
+
+    def keep(self) -> None:
+        """Copy what this group saved into the deferred copy to the buffer (:meth:`Slots.commit`)."""
+        self._write(self.slots.buffer, self._read(self.slots.copy))
+
+    def _read(self, source: torch.Tensor) -> torch.Tensor:
+        if self._index is not None:
+            return source.index_select(0, self._index)
+        return source[slice(*self._range)].clone()
+
+    def _write(self, target: torch.Tensor, value: torch.Tensor) -> None:
         if self._index is not None:
             target.index_copy_(0, self._index, value)
-        elif target is self.slots.buffer:
-            self.view().copy_(value)
         else:
             target[slice(*self._range)].copy_(value)
-        self.saved()
 
     def saved(self) -> None:
         """The entries were written (a step program writes them through :meth:`view`)."""
@@ -310,17 +260,17 @@ class StateStore:
         self._layer_stats: dict[str, tuple[str, str]] = {}  # per-layer statistic key -> (statistic, layer)
         self._step: list[Group] = []  # statistics groups saved in the latest step
         self._overlap: dict[tuple[str, str], bool] = {}  # do two groups share a per-layer statistic?
-        self.deferral = Deferral()  # graph scope turns it on
+        self._committed = False  # whether commit() ran: state saves are deferred from then on
 
     def group(self, label: str, entries: Sequence[Entry], device: torch.device) -> Group:
         """The group of ``entries`` (state), placing entries seen for the first time."""
-        return self._group(label, entries, device, self._state, self._pending, None, self.deferral)
+        return self._group(label, entries, device, self._state, self._pending, None, self._committed)
 
     def stats_group(self, keys: Sequence[str], device: torch.device, per_layer: dict[str, tuple[str, str]]) -> Group:
         """The group of 0-dim statistics ``keys``; ``per_layer`` maps those that are one
         layer's value of a statistic to ``(statistic, layer)``."""
         self._layer_stats.update(per_layer)
-        return self._group("stats", [(k, (), 0.0) for k in keys], device, self._stats, {}, self._stats_saved, None)
+        return self._group("stats", [(k, (), 0.0) for k in keys], device, self._stats, {}, self._stats_saved, False)
 
     def _group(
         self,
@@ -330,12 +280,12 @@ class StateStore:
         table: dict[torch.device, Slots],
         initial: dict[str, torch.Tensor],
         on_save: Callable[[Group], None] | None,
-        deferral: Deferral | None,
+        deferring: bool,
     ) -> Group:
         keys = [key for key, _, _ in entries]
         found = self._groups.get((id(table), device, tuple(keys)))
         if found is None:
-            slots = table.setdefault(device, Slots(device, deferral))
+            slots = table.setdefault(device, Slots(device, deferring))
             found = Group(label, slots, keys, slots.place(entries, initial), on_save)
             self._groups[(id(table), device, tuple(keys))] = found
         return found
@@ -373,10 +323,12 @@ class StateStore:
         return {key: slots.view(key) for slots in table.values() for key in slots.layout}
 
     def commit(self) -> None:
-        """An optimizer steps the gradients of the latest backward pass: keep the state it saved."""
-        self.deferral.committed = True
+        """An optimizer steps the gradients: keep the state the latest passes saved, and defer
+        later saves to the next commit (see the module)."""
+        self._committed = True
         for slots in self._state.values():
             slots.commit()
+            slots.deferring = True
 
     def stat(self, key: str) -> torch.Tensor:
         """A live view of the statistic ``key`` (``KeyError`` until a step wrote it)."""
@@ -416,7 +368,7 @@ class StateStore:
             _loaded(key, value, tuple(live[key].shape) if key in live else None)
         with torch.no_grad():
             for slots in self._state.values():
-                slots.drop()  # a backward pass's, before the checkpoint
+                slots.deferred.clear()  # a backward pass's, before the checkpoint
             for key, value in state.items():
                 if key in live:
                     live[key].copy_(value)
