@@ -756,9 +756,10 @@ def _passes_then_step(combine, compiled, model, optimizer, x):
         grads = [torch.autograd.grad(loss, params) for loss in halves]
         for p, a, b in zip(params, *grads):
             p.grad = a + b
-    elif combine == "attack pass first":  # adversarial training: a pass for the input's gradient
-        attacked = x.clone().requires_grad_(True)
-        torch.autograd.grad(compiled(attacked).pow(2).mean(), attacked)
+    elif combine.startswith("attack"):  # adversarial training: passes for the input's gradient
+        for _ in range(10 if combine == "attack passes, PGD-10" else 1):
+            attacked = x.clone().requires_grad_(True)
+            torch.autograd.grad(compiled(attacked).pow(2).mean(), attacked)
         compiled(x).pow(2).mean().backward()
     elif combine == "a pass dropped":
         halves[0].backward()
@@ -767,7 +768,9 @@ def _passes_then_step(combine, compiled, model, optimizer, x):
     optimizer.step()
 
 
-@pytest.mark.parametrize("combine", ["pcgrad", "autograd.grad summed", "attack pass first", "a pass dropped"])
+@pytest.mark.parametrize(
+    "combine", ["pcgrad", "autograd.grad summed", "attack pass first", "attack passes, PGD-10", "a pass dropped"]
+)
 def test_gradients_of_several_passes_combined_by_hand_are_reported(combine, compile_with):
     """Graph scope transforms each pass's gradients: assigning their combination to .grad
     (PCGrad, micro-batches summed from torch.autograd.grad) steps gradients the policy never

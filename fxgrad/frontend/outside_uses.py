@@ -118,7 +118,11 @@ class OutsideUses:
     def check(self, optimizer: torch.optim.Optimizer, transform: Any, layer_of: Callable[[], dict[int, str]]) -> None:
         """At ``optimizer``'s step, before it updates; ``layer_of()``: the layer of each
         parameter, by id, for the warning."""
+        unwatched = len(self._passes) > self.UNCHECKED  # the watch stopped before the last passes (PGD-10)
         self._passes.clear()
+        if unwatched:
+            self._returned.clear()
+            return
         stepped = stepped_ids(optimizer)
         checked = [key for key in self._returned if key in stepped]
         if not checked:
