@@ -233,6 +233,24 @@ def test_skip_nonfinite_zeroes_the_step_and_step_if_finite_skips_it(scope):
     assert backend.stats()["nonfinite_steps"].item() == 1
 
 
+def test_step_if_finite_in_step_scope_keeps_the_eager_paths_state_moving(monkeypatch):
+    """A skipped step keeps the backward's state in graph scope; step scope writes its state
+    at the step, also when the rules run eagerly (here: the program cannot be built)."""
+    monkeypatch.setattr(fxgrad.frontend.step_program.StepPrograms, "_build", lambda *args: 1 / 0)
+    model = TwoBranches()
+    backend = fxgrad.backend(
+        fxgrad.chain(fxgrad.skip_nonfinite(), fxgrad.autoclip(history=4)), compiler="aot_eager", scope="step"
+    )
+    compiled = backend.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        for step in range(4):
+            compiled(torch.randn(4, 8), one_inf() if step == 1 else torch.ones(8)).backward()
+            assert fxgrad.step_if_finite(optimizer, backend) == (step != 1)
+            optimizer.zero_grad()
+    assert backend.state_dict()["1.autoclip/count"].item() == 3
+
+
 def test_step_if_finite_needs_skip_nonfinite_its_arguments_and_a_backward():
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1)
     with pytest.raises(ValueError, match="skip_nonfinite"):
