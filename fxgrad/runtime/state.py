@@ -175,17 +175,12 @@ class Group:
         slots = self.slots
         if slots.deferred and slots.deferred.get(self) == _compat.backward_pass_id():  # saved in this pass
             return self._read(slots.copy)
-        if self._index is not None:
-            return slots.buffer.index_select(0, self._index)
-        return self.view().clone()
+        return self._read(slots.buffer)
 
     def save(self, value: torch.Tensor) -> None:
         slots = self.slots
         if not slots.deferring:
-            if self._index is not None:
-                slots.buffer.index_copy_(0, self._index, value)
-            else:
-                self.view().copy_(value)
+            self._write(slots.buffer, value)
         else:
             if slots.copy is None:
                 with _compat.outside_dispatch_modes():
@@ -202,13 +197,17 @@ class Group:
     def _read(self, source: torch.Tensor) -> torch.Tensor:
         if self._index is not None:
             return source.index_select(0, self._index)
-        return source[slice(*self._range)].clone()
+        return self._entries(source).clone()
 
     def _write(self, target: torch.Tensor, value: torch.Tensor) -> None:
         if self._index is not None:
             target.index_copy_(0, self._index, value)
         else:
-            target[slice(*self._range)].copy_(value)
+            self._entries(target).copy_(value)
+
+    def _entries(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The entries' slice of the buffer (the kept view) or of its copy."""
+        return self.view() if tensor is self.slots.buffer else tensor[slice(*self._range)]
 
     def saved(self) -> None:
         """The entries were written (a step program writes them through :meth:`view`)."""
