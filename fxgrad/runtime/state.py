@@ -90,7 +90,7 @@ class Slots:
     def __init__(self, device: torch.device, deferring: bool = False) -> None:
         self.device = device
         self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}  # key -> (offset, shape)
-        self._views: dict[str | tuple[int, int], torch.Tensor] = {}  # of the buffer, by key or span
+        self._views: dict[str | tuple[int, int, bool], torch.Tensor] = {}  # of the buffer (or copy), by key or span
         with _compat.outside_dispatch_modes():
             self.buffer = torch.empty(0, dtype=torch.float64, device=device)
         self.deferring = deferring
@@ -134,12 +134,13 @@ class Slots:
             view = self._views[key] = self.span(offset, offset + math.prod(shape)).view(shape)
         return view
 
-    def span(self, start: int, stop: int) -> torch.Tensor:
-        """Elements ``start:stop`` of the buffer, live (the same view until the buffer grows: a
-        slice costs 2-18 us in a training step)."""
-        view = self._views.get((start, stop))
+    def span(self, start: int, stop: int, copy: bool = False) -> torch.Tensor:
+        """Elements ``start:stop`` of the buffer (or of its deferred ``copy``), live (the same view
+        until the buffer grows: a slice costs 2-18 us in a training step)."""
+        key = (start, stop, copy)
+        view = self._views.get(key)
         if view is None:
-            view = self._views[(start, stop)] = self.buffer[start:stop]
+            view = self._views[key] = (self.copy if copy else self.buffer)[start:stop]
         return view
 
 
@@ -206,8 +207,8 @@ class Group:
             self._entries(target).copy_(value)
 
     def _entries(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The entries' slice of the buffer (the kept view) or of its copy."""
-        return self.view() if tensor is self.slots.buffer else tensor[slice(*self._range)]
+        """The entries' slice of the buffer or of its deferred copy (kept views)."""
+        return self.slots.span(*self._range, copy=tensor is not self.slots.buffer)
 
     def saved(self) -> None:
         """The entries were written (a step program writes them through :meth:`view`)."""
