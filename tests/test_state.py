@@ -756,3 +756,29 @@ def test_state_of_blocks_under_reentrant_checkpointing_moves_once_a_step():
     for name, layer in (("0.fc0", "fc0"), ("1.fc1", "fc1")):
         assert state[f"0.monitor/mean/{layer}"].item() == pytest.approx(expected[name]["grad_norm_ema"], rel=1e-5)
         assert state[f"0.monitor/count/{layer}"].item() == 5
+
+
+def test_a_resumed_backend_keeps_attack_passes_out_of_the_state():
+    """A backend that loaded a checkpoint defers the state from its first step: the attack
+    pass before it does not count, as in the run that was not interrupted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    policy = fxgrad.zclip(alpha=0.8, z_thresh=1.5, max_norm=100.0, warmup=2)
+    backend = fxgrad.backend(policy, compiler="aot_eager")
+    compiled = backend.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(6)]
+    for step, (x, y) in enumerate(batches[:3]):
+        _attack_then_train(compiled, optimizer, x, y, 1.0, attack=step > 0)
+        optimizer.step()
+    resumed = copy.deepcopy(model)
+    resumed_backend = fxgrad.backend(policy, compiler="aot_eager")
+    resumed_backend.load_state_dict(backend.state_dict())
+    resumed_compiled = resumed_backend.compile(resumed)
+    resumed_optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    for x, y in batches[3:]:
+        for net, opt in ((compiled, optimizer), (resumed_compiled, resumed_optimizer)):
+            _attack_then_train(net, opt, x, y, 1.0)
+            opt.step()
+    for key, value in backend.state_dict().items():
+        torch.testing.assert_close(resumed_backend.state_dict()[key], value, msg=key)

@@ -366,9 +366,11 @@ class StateStore:
         live = self.values()
         for key, value in state.items():
             _loaded(key, value, tuple(live[key].shape) if key in live else None)
+        self._committed = True  # a checkpoint's state has seen steps: a resumed run defers from its first
         with torch.no_grad():
             for slots in self._state.values():
                 slots.deferred.clear()  # a backward pass's, before the checkpoint
+                slots.deferring = True
             for key, value in state.items():
                 if key in live:
                     live[key].copy_(value)
