@@ -310,8 +310,9 @@ class Folds:
         if self._in_graph() and factors > 1:
             raise ValueError(
                 f"fold in graph scope: {factors} backward passes through the compiled graphs since the last "
-                "step (accumulated micro-batches, a graph break, retain_graph, or an optimizer.step() skipped "
-                "after a backward): each left its own factor, which one grad_scale cannot hold. Use "
+                "step (accumulated micro-batches, a graph break, retain_graph, an adversarial attack's "
+                "torch.autograd.grad of the input, or an optimizer.step() skipped after a backward): each left "
+                "its own factor, which one grad_scale cannot hold. Use "
                 "fxgrad.backend(..., scope='step'), which applies the factor of the whole step's gradient, or "
                 "do not fold."
             )
