@@ -888,6 +888,8 @@ class Backend:
                 f"with <position>.<transform>/: {', '.join(owners) or 'none (no transform)'}"
             )
         self.store.load_state_dict(state)
+        if self.current_scope() == "graph":
+            self.store.defer()  # a checkpoint's state has seen steps: a resumed run defers from its first
         self._loaded = True
 
     def _report_unplaced(self) -> None:

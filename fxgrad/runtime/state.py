@@ -260,11 +260,11 @@ class StateStore:
         self._layer_stats: dict[str, tuple[str, str]] = {}  # per-layer statistic key -> (statistic, layer)
         self._step: list[Group] = []  # statistics groups saved in the latest step
         self._overlap: dict[tuple[str, str], bool] = {}  # do two groups share a per-layer statistic?
-        self._committed = False  # whether commit() ran: state saves are deferred from then on
+        self._deferring = False  # whether defer() ran: state saves go to the deferred copy from then on
 
     def group(self, label: str, entries: Sequence[Entry], device: torch.device) -> Group:
         """The group of ``entries`` (state), placing entries seen for the first time."""
-        return self._group(label, entries, device, self._state, self._pending, None, self._committed)
+        return self._group(label, entries, device, self._state, self._pending, None, self._deferring)
 
     def stats_group(self, keys: Sequence[str], device: torch.device, per_layer: dict[str, tuple[str, str]]) -> Group:
         """The group of 0-dim statistics ``keys``; ``per_layer`` maps those that are one
@@ -325,9 +325,14 @@ class StateStore:
     def commit(self) -> None:
         """An optimizer steps the gradients: keep the state the latest passes saved, and defer
         later saves to the next commit (see the module)."""
-        self._committed = True
         for slots in self._state.values():
             slots.commit()
+        self.defer()
+
+    def defer(self) -> None:
+        """Save state into the deferred copy from now on (graph scope, once steps are known to come)."""
+        self._deferring = True
+        for slots in self._state.values():
             slots.deferring = True
 
     def stat(self, key: str) -> torch.Tensor:
@@ -366,11 +371,9 @@ class StateStore:
         live = self.values()
         for key, value in state.items():
             _loaded(key, value, tuple(live[key].shape) if key in live else None)
-        self._committed = True  # a checkpoint's state has seen steps: a resumed run defers from its first
         with torch.no_grad():
             for slots in self._state.values():
                 slots.deferred.clear()  # a backward pass's, before the checkpoint
-                slots.deferring = True
             for key, value in state.items():
                 if key in live:
                     live[key].copy_(value)
