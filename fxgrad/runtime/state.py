@@ -22,12 +22,13 @@ update the same EMAs and histories::
 State moves once per optimizer step, as the eager references' ``step()`` does, not once per
 backward pass: a backward whose gradients no optimizer steps (an adversarial attack's
 ``torch.autograd.grad`` of the input, a GAN generator's pass through the discriminator, a
-batch dropped after its backward) leaves it as it was. Once :meth:`StateStore.commit` ran
-(graph scope: at the step of an optimizer of the backend's models), a group's save goes to a
-copy of the buffer, which that pass's loads of the group read and the next commit keeps: the
-last pass to save a group before a step wins, and the others' saves are lost. Before the
-first commit, saves write the buffer (a loop that steps no ``torch.optim`` optimizer moves
-its state at each backward, as before); a step program writes it at the step anyway.
+batch dropped after its backward) leaves it as it was. Once :meth:`StateStore.defer` ran
+(graph scope: at the first :meth:`StateStore.commit`, the step of an optimizer of the
+backend's models, or after a checkpoint's load), a group's save goes to a copy of the
+buffer, which that pass's loads of the group read and the next commit keeps: the last pass
+to save a group before a step wins, and the others' saves are lost. Before, saves write the
+buffer (a loop that steps no ``torch.optim`` optimizer moves its state at each backward, as
+before); a step program writes it at the step anyway.
 """
 
 from __future__ import annotations
