@@ -137,7 +137,7 @@ class Backend:
         self.keep_code = keep_code
         self.scaler = _check_scaler(scaler, transform)
         self.scope = scope
-        self.store = StateStore()
+        self.store = StateStore(lambda: self.current_scope() == "graph")
         self.registry = GraphRegistry()
         self._models: list[weakref.ref] = []  # models handed to torch.compile with it, or to step()
         self._graph_runs = 0  # calls of compiled forwards
@@ -667,8 +667,7 @@ class Backend:
                 if id(probe) in stepped:
                     del self._summed[probe]
                     self._coverage.warn(message)
-        if self.current_scope() == "graph":  # state moves once per step (fxgrad.runtime.state)
-            self.store.commit()
+        self.store.commit()  # state moves once per step (fxgrad.runtime.state)
         factors = self._folds.check_step(optimizer)  # first: a refused step keeps no weight copy
         if self._update_factors is not None:
             self._update_factors.before_step(optimizer)
@@ -888,8 +887,7 @@ class Backend:
                 f"with <position>.<transform>/: {', '.join(owners) or 'none (no transform)'}"
             )
         self.store.load_state_dict(state)
-        if self.current_scope() == "graph":
-            self.store.defer()  # a checkpoint's state has seen steps: a resumed run defers from its first
+        self.store.defer()  # a checkpoint's state has seen steps: a resumed run defers from its first
         self._loaded = True
 
     def _report_unplaced(self) -> None:

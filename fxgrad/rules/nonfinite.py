@@ -161,8 +161,7 @@ def step_if_finite(optimizer: Any, backend: Any) -> bool:
             "so there is no non-finite flag to read"
         )
     if flag.item() != 0:  # the documented host sync: the host decides whether to step
-        if backend.current_scope() == "graph":
-            backend.store.commit()  # a step all the same to the backward's state: its backoff, its counts
+        backend.store.commit()  # a step all the same to the backward's state: its backoff, its counts
         return False
     optimizer.step()
     return True

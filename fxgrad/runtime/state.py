@@ -251,7 +251,8 @@ class StateStore:
     graph); graphs of one step (graph breaks) hold different layers.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, defers: Callable[[], bool] = lambda: False) -> None:
+        self._defers = defers  # whether saves may defer to a step (graph scope), see commit()
         self._state: dict[torch.device, Slots] = {}
         self._stats: dict[torch.device, Slots] = {}
         self._groups: dict[tuple, Group] = {}
@@ -325,13 +326,19 @@ class StateStore:
 
     def commit(self) -> None:
         """An optimizer steps the gradients: keep the state the latest passes saved, and defer
-        later saves to the next commit (see the module)."""
+        later saves to the next commit (see the module). Nothing unless ``defers()``: a step
+        program writes the state at the step itself."""
+        if not self._defers():
+            return
         for slots in self._state.values():
             slots.commit()
         self.defer()
 
     def defer(self) -> None:
-        """Save state into the deferred copy from now on (graph scope, once steps are known to come)."""
+        """Save state into the deferred copy from now on, once steps are known to come (a commit,
+        a checkpoint's load), if ``defers()``."""
+        if not self._defers():
+            return
         self._deferring = True
         for slots in self._state.values():
             slots.deferring = True
