@@ -571,6 +571,25 @@ def stepping_grad_scaler() -> Any:
     return None
 
 
+def unwrap_model(model: Any) -> Any:
+    """The model inside the wrappers that prefix its layers' names: data parallel's ``module``,
+    ``torch.compile``'s ``_orig_mod`` and Lightning Fabric's ``_forward_module``
+    (``fabric.setup(model)`` returns the model in a ``_FabricModule``, compiled again inside it
+    when it was compiled before)::
+
+        unwrap_model(torch.compile(DDP(model)))  # model
+    """
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif type(model).__name__ == "_FabricModule" and hasattr(model, "_forward_module"):
+            model = model._forward_module
+        else:
+            return model
+
+
 def module_path(name: str) -> str:
     """A ``named_modules()`` name without the ``_orig_mod`` step of each submodule wrapped by
     ``torch.compile`` (``layers.0._orig_mod.attn`` -> ``layers.0.attn``, as in the eager model)."""

@@ -267,3 +267,108 @@ def test_bad_arguments_raise_at_construction():
         FxgradCallback(fxgrad.monitor(), compiler="eager")
     with pytest.raises(TypeError, match="gradient_clip_val"):
         FxgradCallback(fxgrad.monitor(), gradient_clip_val=1.0)
+
+
+# Lightning Fabric: a loop of the user's own, with fabric.setup() wrapping the model and optimizer.
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class _Recurrent(nn.Module):
+    """Dynamo runs it eagerly (``allow_rnn=False``): no graph reaches the backend."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.lstm, self.out = nn.Linear(8, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(self.lstm(self.inp(x))[0][:, -1])
+
+
+def _fabric():
+    from lightning_fabric import Fabric
+
+    return Fabric(accelerator="cpu", devices=1)
+
+
+def _fabric_steps(fabric, model, optimizer, steps: int = 4, micro: int = 1, seq: bool = False) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for i in range(micro):
+            x = torch.randn(4, 3, 8, generator=gen) if seq else torch.randn(4, 8, generator=gen)
+            loss = (model(x) - 1).square().mean()
+            if i < micro - 1:
+                with fabric.no_backward_sync(model):
+                    fabric.backward(loss)
+            else:
+                fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_fabric_setup_of_a_watched_model_keeps_the_checks():
+    """``fabric.setup`` unwraps the module ``backend.compile`` returned and compiles the model
+    again with plain ``torch.compile``: the checks of that path apply (before, the per-forward
+    watch left behind on the discarded module stood for them, and the policy did nothing
+    without a word)."""
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.1), compiler="aot_eager")
+    fabric, model = _fabric(), _Recurrent()
+    model, optimizer = fabric.setup(backend.compile(model), torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(fxgrad.CoverageError, match="no graph of _Recurrent reached the backend"):
+        _fabric_steps(fabric, model, optimizer, seq=True)
+
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.1), compiler="aot_eager")
+    fabric, model = _fabric(), _Net()
+    model, optimizer = fabric.setup(backend.compile(model), torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.warns(fxgrad.CoverageWarning, match="still held the previous backward's gradient"):
+        _fabric_steps(fabric, model, optimizer, micro=2)
+
+
+@pytest.mark.parametrize("order", ["compile, setup", "setup, compile"])
+def test_fabric_layers_are_named_in_the_model(order):
+    """Layer names, and so routing keys, statistics and checkpoint keys, are the model's in
+    either order: Fabric's ``_forward_module.`` is dropped, as DDP's ``module.`` is."""
+    policy = fxgrad.chain(fxgrad.monitor(), fxgrad.by_name({"net.2": fxgrad.clip_by_norm(0.05)}))
+    backend = fxgrad.backend(policy, compiler="aot_eager")
+    fabric, model = _fabric(), _Net()
+    reference = _Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if order == "compile, setup":
+        model, optimizer = fabric.setup(torch.compile(model, backend=backend), optimizer)
+    else:
+        model, optimizer = fabric.setup(model, optimizer)
+        model = torch.compile(model, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        _fabric_steps(fabric, model, optimizer)
+    assert sorted(k for k in backend.stats() if k.startswith("grad_norm/net")) == [
+        "grad_norm/net.0",
+        "grad_norm/net.2",
+        "grad_norm/net.4",
+    ]
+    eager = torch.optim.SGD(reference.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        (reference(torch.randn(4, 8, generator=gen)) - 1).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(reference.net[2].parameters(), 0.05)
+        eager.step()
+        eager.zero_grad()
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_fold_names_the_optimizer_fabric_wraps():
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
+    fabric, model = _fabric(), _Net()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), fused=True))
+    with pytest.raises(ValueError, match=r"it wraps torch.optim.AdamW: fold that one, fold\(optimizer.optimizer\)"):
+        backend.fold(optimizer)
+    backend.fold(optimizer.optimizer)

@@ -440,10 +440,9 @@ class Backend:
         (:mod:`fxgrad.frontend.step_check`).
         """
         target = _compat.model_being_compiled()
-        module = getattr(target, "__self__", target)  # Module.compile hands over its bound _call_impl
-        if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            module = module.module
+        module = _compat.unwrap_model(getattr(target, "__self__", target))  # Module.compile: its bound _call_impl
         if isinstance(module, nn.Module):
+            self._watched.discard(module)  # compiled again, without the watch: the checks of the plain path
             self._adopt(module)
         return "fxgrad"
 
@@ -546,7 +545,7 @@ class Backend:
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if self._step is None:
             return
-        model = _unwrapped(model) if model is not None else None
+        model = _compat.unwrap_model(model) if model is not None else None
         if model is not None and all(ref() is not model for ref in self._models):
             self._meet(model, at_step=True)
             self._models.append(weakref.ref(model))  # later optimizer steps find it too
@@ -920,13 +919,6 @@ def _model_died(backend: weakref.ref) -> None:
     alive = backend()
     if alive is not None:
         alive._models_died = True
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside data-parallel wrappers, whose layers are named without their ``module.``."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    return model
 
 
 def _refuse_sparse(plan: GraphPlan, outputs: list[torch.fx.Node | None]) -> None:

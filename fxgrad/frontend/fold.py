@@ -73,9 +73,15 @@ def check(optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if type(optimizer) not in FUSED:
+        inner = getattr(optimizer, "optimizer", None)  # a framework's wrapper: Lightning Fabric's, accelerate's
+        hint = (
+            f"; it wraps torch.optim.{type(inner).__name__}: fold that one, fold(optimizer.optimizer)"
+            if type(inner) in FUSED
+            else "; step it without fold()"
+        )
         raise ValueError(
             f"optimizer: fxgrad cannot fold into {type(optimizer).__name__}: only torch.optim.Adam, AdamW and SGD "
-            "(with fused=True) take the factor in their own update; step it without fold()"
+            f"(with fused=True) take the factor in their own update{hint}"
         )
 
 

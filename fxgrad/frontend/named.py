@@ -20,6 +20,7 @@ from typing import Any
 import torch.fx
 import torch.nn as nn
 
+from fxgrad import _compat
 from fxgrad.frontend.backend import Backend
 from fxgrad.frontend.config import CONFIG_ENV, from_config, load
 from fxgrad.passes.capture import graph_model
@@ -44,7 +45,7 @@ def fxgrad_backend(
         # A graph without parameters (the code after a graph break, say) has nothing to
         # transform: any backend compiles it, and it must not become backend_for()'s answer.
         return (_latest.get(key) or from_config(spec))(gm, example_inputs, mode=mode)
-    model = graph_model(gm, example_inputs, list(_backends.keys()))
+    model = _compat.unwrap_model(graph_model(gm, example_inputs, list(_backends.keys())))
     table = _backends.setdefault(model, {}) if model is not None else _without_model
     if key not in table:
         table[key] = from_config(spec)
@@ -69,7 +70,7 @@ def backend_for(options: dict | None = None, model: nn.Module | None = None) -> 
     if model is None:
         found = _latest.get(_key(spec))
     else:
-        model = getattr(model, "_orig_mod", model)  # the module torch.compile returned: the model inside
+        model = _compat.unwrap_model(model)  # the module torch.compile or fabric.setup returned: the model inside
         found = _backends.get(model, {}).get(_key(spec))
     if found is None:
         from_config(spec)  # checks the options
