@@ -283,9 +283,12 @@ def inductor_compile_program(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     """
     fakes = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
     devices = {fake.device.type for fake in fakes}
-    with torch._guards.tracing(torch._guards.TracingContext(detect_fake_mode(fakes))):
-        with _inductor_config.patch(program_settings(devices)):
-            compiled = _compile_fx.compile_fx_inner(gm, fakes)
+    # Dynamo's lock: Inductor compiles one graph at a time per process (a loop in another thread
+    # may be compiling), and the settings patched here are the process's
+    with torch._dynamo.convert_frame.compile_lock:
+        with torch._guards.tracing(torch._guards.TracingContext(detect_fake_mode(fakes))):
+            with _inductor_config.patch(program_settings(devices)):
+                compiled = _compile_fx.compile_fx_inner(gm, fakes)
     return lambda *args: compiled(list(args))
 
 

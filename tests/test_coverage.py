@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import threading
 import warnings
 
 import models
@@ -694,6 +695,32 @@ def test_backwards_through_the_compiled_model_are_not_reported_as_bypassing_it()
         for _ in range(2):
             model.zero_grad()
             recompiled(x).sum().backward()
+
+
+def test_a_backward_in_another_thread_is_not_taken_for_a_bypass():
+    """Two training loops in threads: the second's backward runs whole while the first's waits
+    between its compiled backward and its gradients' accumulation (sweep 23 saw it in two runs
+    of three); the first's then still counts as having passed through the compiled model."""
+    first, compiled_first = compiled_two_heads()
+    second, compiled_second = compiled_two_heads()
+    x = torch.randn(4, 8)
+    reached, resume = threading.Event(), threading.Event()
+
+    def train_first() -> None:
+        out = compiled_first(x)
+        out.grad_fn.register_hook(lambda *grads: reached.set() or resume.wait(30) and None)
+        out.sum().backward()
+
+    with warnings.catch_warnings(record=True) as caught:  # the warnings of both threads
+        warnings.simplefilter("always")
+        thread = threading.Thread(target=train_first)
+        thread.start()
+        assert reached.wait(30)
+        compiled_second(x).sum().backward()
+        resume.set()
+        thread.join(30)
+    assert first.body.weight.grad is not None and second.body.weight.grad is not None
+    assert [str(w.message) for w in caught if issubclass(w.category, fxgrad.CoverageWarning)] == []
 
 
 @pytest.mark.parametrize("call", ["original model", "other method", "method without the first parameter"])

@@ -24,6 +24,7 @@ forwards whose outputs are dropped raise nothing.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import weakref
 from typing import Any, Callable
@@ -96,11 +97,20 @@ _SHARED: weakref.WeakKeyDictionary[nn.Module, _Shared] = weakref.WeakKeyDictiona
 
 
 class _Reached:
-    """The last backward pass that reached the outputs of a compiled forward: of any model (an
-    encoder shared by two compiled task models gets its gradient through either), of any
-    backend (``explain`` compiles the model with its own)."""
+    """The latest backward passes that reached the outputs of a compiled forward: of any model
+    (an encoder shared by two compiled task models gets its gradient through either), of any
+    backend (``explain`` compiles the model with its own). Several: training loops in threads
+    run backward passes at once, and one's must not hide another's."""
 
-    pass_id = -2  # never a pass's (see _compat.backward_pass_id)
+    def __init__(self) -> None:
+        self._ids: collections.deque[int] = collections.deque(maxlen=16)
+
+    def add(self, pass_id: int) -> None:
+        if pass_id not in self._ids:
+            self._ids.append(pass_id)
+
+    def __contains__(self, pass_id: int) -> bool:
+        return pass_id in self._ids
 
 
 _REACHED = _Reached()
@@ -303,7 +313,7 @@ class ForwardWatch:
                 hook_weakly(probe.param, self._check_bypass)
 
     def _check_bypass(self, param: nn.Parameter) -> None:
-        if _REACHED.pass_id == _compat.backward_pass_id():  # every training step's backward: nothing more
+        if _compat.backward_pass_id() in _REACHED:  # every training step's backward: nothing more
             return
         probe = next((probe for probe in self._probes if probe.watched is param), None)
         if probe is None:  # replaced since
@@ -335,6 +345,6 @@ class ForwardWatch:
             node.register_prehook(lambda grad_outputs: self._backward_reached(first))
 
     def _backward_reached(self, first: OncePerPass) -> None:
-        _REACHED.pass_id = _compat.backward_pass_id()
+        _REACHED.add(_compat.backward_pass_id())
         if first() and self._probes:
             self._writes.reaches(self._probes[0].param, type(self.model).__name__)
