@@ -622,6 +622,15 @@ def gradient_versions(grads: Sequence[torch.Tensor]) -> list[int]:
     return list(map(tensor_version, grads))
 
 
+def compiler_stance() -> str | None:
+    """The arguments of the ``torch.compiler.set_stance`` in effect (``"'force_eager'"``,
+    ``"force_backend='eager'"``), or ``None`` under the default stance."""
+    stance = torch._dynamo.eval_frame._stance  # set_stance replaces the object
+    if stance.backend is not None:
+        return f"force_backend={getattr(stance.backend, '__name__', stance.backend)!r}"
+    return None if stance.stance == "default" else repr(stance.stance)
+
+
 def backward_pass_id() -> int:
     """The id of the backward pass running now (autograd's graph task), -1 outside one: hooks
     that fire in one ``backward()`` see the same id, and each pass a new one."""

@@ -272,6 +272,24 @@ def test_forward_run_eagerly_after_the_recompile_limit_is_reported():
             compiled(torch.randn(5, 8))  # inference: no policy to miss
 
 
+def test_a_forward_run_eagerly_is_reported_when_a_backward_reaches_it():
+    """A later forward that ran no graph is reported when a backward reaches its outputs,
+    naming the stance that made it eager; a validation forward with gradients enabled that
+    nobody backpropagates leaves the policy nothing to miss (it raised at the forward, sweep
+    26)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager")
+    compiled = backend.compile(model)
+    x = torch.randn(4, 8)
+    compiled(x).sum().backward()
+    model.zero_grad()
+    with coverage_silent(), torch.compiler.set_stance("force_eager"):
+        compiled(x).sum()
+    with torch.compiler.set_stance("force_eager"):
+        with pytest.raises(fxgrad.CoverageError, match=r"set_stance\('force_eager'\) is in effect"):
+            compiled(x).sum().backward()
+
+
 def sweep(compile_, trials):
     """``trials`` models of one class, each compiled by its own backend in one process (a
     hyperparameter sweep), each stepped once; yields each trial's model and eager copy."""

@@ -568,6 +568,33 @@ def test_a_train_step_compiled_whole_applies_the_policy(scope):
         torch.testing.assert_close(param, want)
 
 
+def test_fxgrads_autograd_hooks_stay_eager_in_a_train_step_compiled_whole():
+    """``backward()`` in a compiled function runs under Dynamo, which traced fxgrad's autograd
+    hooks as frames of their own with the backend: it took one that reads a parameter for a
+    graph of the model, warned that Dynamo reused layer '0''s graph for another module, and
+    named the wrong layer when code outside changed a gradient (sweep 26)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
+
+    @torch.compile(backend=backend)
+    def train_step(x, change):
+        (10 * model(x).pow(2).mean()).backward()
+        if change:
+            model[4].weight.grad.mul_(10.0)
+        optimizer.step()
+
+    x = torch.randn(6, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            optimizer.zero_grad()
+            train_step(x, True)
+    reports = {str(w.message)[:45] for w in caught if issubclass(w.category, fxgrad.CoverageWarning)}
+    assert reports == {"fxgrad: the gradients of 4 are not the ones t"}
+
+
 class OutputAndView(nn.Module):
     """Returns an output and a view of it: two autograd nodes for one call's backward."""
 

@@ -339,15 +339,11 @@ class Backend:
         """Bind ``graph`` to this call's parameters when its backward starts: the backward reads
         weights, and when Dynamo runs the graph for several modules (a graph break inside a
         repeated block's forward), the last forward's are not this call's."""
-        params = [args[p.index] for p in graph.params]
-
-        def bind(grad_outputs: Any) -> None:
-            if graph.params[0].tensor() is not params[0]:
-                graph.bind(params)
-
+        bind = functools.partial(_bind_when_reached, graph, [args[p.index] for p in graph.params])
         for node in _compat.compiled_backward_nodes(outputs):
             node.register_prehook(bind)
 
+    @torch.compiler.disable  # an autograd hook (see fxgrad.frontend.watch)
     def _backward_ran(
         self, graph: CapturedGraph, probe: nn.Parameter | None, unwatched: bool, first: OncePerPass, grad_outputs: Any
     ) -> None:
@@ -382,12 +378,13 @@ class Backend:
 
         ``torch.compile(model, backend=backend)`` gets the policy and the
         checks at ``optimizer.step()`` (see :attr:`__name__`). This
-        adds a check at each forward: every forward with gradients enabled (and
-        the first in any case) must run a graph this backend compiled. If none
-        did, the policy did nothing: e.g. an ``nn.LSTM`` model under Dynamo's
-        default ``allow_rnn=False`` runs entirely eagerly, and Dynamo runs a
-        frame eagerly once it was recompiled ``recompile_limit`` times. It
-        warns, or raises :class:`fxgrad.CoverageError` when ``strict`` and the
+        adds a check at each forward: every forward whose outputs a backward
+        reaches (and the first in any case) must run a graph this backend
+        compiled. If none did, the policy did nothing: e.g. an ``nn.LSTM`` model
+        under Dynamo's default ``allow_rnn=False`` runs entirely eagerly, Dynamo
+        runs a frame eagerly once it was recompiled ``recompile_limit`` times,
+        and ``torch.compiler.set_stance("force_eager")`` runs every one so. It
+        warns (naming the stance, if one is in effect), or raises :class:`fxgrad.CoverageError` when ``strict`` and the
         policy reduces across layers. It also warns when a backward writes the
         gradient of ``model``'s first trainable parameter without passing
         through the compiled module (``model(x)`` called instead of the
@@ -919,6 +916,12 @@ def _model_died(backend: weakref.ref) -> None:
     alive = backend()
     if alive is not None:
         alive._models_died = True
+
+
+@torch.compiler.disable  # an autograd hook (see _backward_ran)
+def _bind_when_reached(graph: CapturedGraph, params: list[nn.Parameter], grad_outputs: Any) -> None:
+    if graph.params[0].tensor() is not params[0]:
+        graph.bind(params)
 
 
 def _refuse_sparse(plan: GraphPlan, outputs: list[torch.fx.Node | None]) -> None:

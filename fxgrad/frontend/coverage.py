@@ -328,8 +328,10 @@ class CoverageCheck:
         layers = build_layers(model_rows(model, "")[0], (), self.skip)
         name = type(model).__name__
         what = f"no graph of {name} reached the backend" if first else f"a forward of {name} ran no compiled graph"
-        rnn = rnn_hint(layers)
-        if rnn:  # the likeliest cause, which the hint gives alone
+        rnn, stance = rnn_hint(layers), _compat.compiler_stance()
+        if stance is not None:  # the user's own choice
+            rnn, cause = "", f" (torch.compiler.set_stance({stance}) is in effect)"
+        elif rnn:  # the likeliest cause, which the hint gives alone
             cause = ""
         elif first:
             cause = (

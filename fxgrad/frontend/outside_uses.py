@@ -29,6 +29,7 @@ buckets replace ``.grad``)::
 from __future__ import annotations
 
 import collections
+import functools
 import weakref
 from typing import Any, Callable
 
@@ -89,9 +90,10 @@ class OutsideUses:
         """Note what the backwards of one call of a compiled graph (its ``outputs``) return."""
         for node in _compat.compiled_backward_nodes(outputs):
             leaves = [None if leaf is None else weakref.ref(leaf) for leaf in _compat.accumulated_leaves(node)]
-            node.register_hook(lambda grads, _, leaves=leaves: self._returned_grads(leaves, grads))
+            node.register_hook(functools.partial(self._returned_grads, leaves))
 
-    def _returned_grads(self, leaves: list[weakref.ref | None], grads: tuple) -> None:
+    @torch.compiler.disable  # an autograd hook (see fxgrad.frontend.watch)
+    def _returned_grads(self, leaves: list[weakref.ref | None], grads: tuple, grad_outputs: Any) -> None:
         pass_id = _compat.backward_pass_id()
         self._passes.add(pass_id)
         if torch.is_grad_enabled():  # backward(create_graph=True): autograd copies every gradient into .grad

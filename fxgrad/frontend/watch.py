@@ -16,6 +16,13 @@ The gradient checks run when backward reaches the forward's outputs, so
 ``zero_grad()`` between forward and backward, validation forwards and
 forwards whose outputs are dropped raise nothing.
 
+Every autograd hook fxgrad registers (here, in :mod:`~fxgrad.frontend.backend` and
+:mod:`~fxgrad.frontend.outside_uses`) is a function made eager once, where it is defined,
+with ``torch.compiler.disable``: a train step compiled whole runs ``backward()`` under
+Dynamo, which would otherwise trace each hook as a frame of its own with the backend (and
+take its bookkeeping for graphs of the model). Once per function, not per hook: making one
+costs about 37 us.
+
     runs = lambda: backend._graph_runs                  # calls of the backend's compiled forwards
     in_graph = lambda: backend.current_scope() == "graph"
     summed = lambda param, message: ...                # reported at the optimizer's step
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import weakref
 from typing import Any, Callable
 
@@ -330,21 +338,30 @@ class ForwardWatch:
         self._runs_before = self.graph_runs()
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
-        ran_eagerly = self.graph_runs() == self._runs_before and (self._first or torch.is_grad_enabled())
-        if ran_eagerly and self.in_graph():  # step scope runs the policy on .grad all the same
-            self.coverage.ran_eagerly(self.model, self._first)
-        self._first = False
+        # Step scope runs the policy on .grad all the same. A first forward that ran no graph is
+        # said at once (a model Dynamo never compiles, an LSTM); a later one when a backward
+        # reaches its outputs: a forward nobody backpropagates (validation under the
+        # set_stance("force_eager") stance, say) leaves the policy nothing to miss.
+        eager = self.graph_runs() == self._runs_before and self.in_graph()
+        first, self._first = self._first, False
+        if eager and first:
+            self.coverage.ran_eagerly(self.model, True)
         if not torch.is_grad_enabled() or not self.in_graph():
             return
         self._follow_probes()
         outputs = [t for t in _compat.tensors_in(output) if t.grad_fn is not None]
         if not outputs:
             return
-        first = OncePerPass()  # per forward call
+        reached = functools.partial(self._backward_reached, OncePerPass(), eager and not first)  # per forward call
         for node in {t.grad_fn for t in outputs}:
-            node.register_prehook(lambda grad_outputs: self._backward_reached(first))
+            node.register_prehook(reached)
 
-    def _backward_reached(self, first: OncePerPass) -> None:
+    @torch.compiler.disable  # an autograd hook (see the module docstring)
+    def _backward_reached(self, first: OncePerPass, ran_eagerly: bool, grad_outputs: Any) -> None:
         _REACHED.add(_compat.backward_pass_id())
-        if first() and self._probes:
+        if not first():
+            return
+        if ran_eagerly:
+            self.coverage.ran_eagerly(self.model, False)
+        if self._probes:
             self._writes.reaches(self._probes[0].param, type(self.model).__name__)
