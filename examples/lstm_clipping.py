@@ -8,8 +8,8 @@ compiled the same way, same seed and data:
 * no clipping: ``torch.compile(model)``;
 * ``by_type({nn.LSTM: clip_by_norm(0.5)}, default=clip_by_norm(1.0))`` in the backward.
 
-On CPU both arms use ``aot_eager``: Inductor's CPU lowering of ``nn.LSTM``
-fails in torch 2.13 (``mkldnn_rnn_layer``), with or without fxgrad.
+On CPU both arms use ``aot_eager``: Inductor takes minutes to compile the
+3-layer LSTM's graphs there.
 
 Dynamo skips ``nn.LSTM`` unless ``torch._dynamo.config.allow_rnn = True``;
 without it nothing is compiled and fxgrad reports that instead of silently
