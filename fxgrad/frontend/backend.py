@@ -384,12 +384,15 @@ class Backend:
         under Dynamo's default ``allow_rnn=False`` runs entirely eagerly, Dynamo
         runs a frame eagerly once it was recompiled ``recompile_limit`` times,
         and ``torch.compiler.set_stance("force_eager")`` runs every one so. It
-        warns (naming the stance, if one is in effect), or raises :class:`fxgrad.CoverageError` when ``strict`` and the
-        policy reduces across layers. It also warns when a backward writes the
+        warns (naming the stance, if one is in effect), or raises
+        :class:`fxgrad.CoverageError` when ``strict`` and the policy reduces
+        across layers. It also warns when a backward writes the
         gradient of ``model``'s first trainable parameter without passing
         through the compiled module (``model(x)`` called instead of the
         compiled module, or an eager method such as ``get_text_features``).
-        Layer names are relative to ``model``.
+        Layer names are relative to ``model``. Compiling the model again with
+        plain ``torch.compile`` and this backend (``fabric.setup`` does) ends the
+        per-forward checks; the plain path's, at ``optimizer.step()``, apply.
 
         The compiled module keeps its own Dynamo cache (``isolate_recompiles=True``
         unless given): each backend compiles its own graphs, and without it every
