@@ -390,9 +390,9 @@ class Backend:
         gradient of ``model``'s first trainable parameter without passing
         through the compiled module (``model(x)`` called instead of the
         compiled module, or an eager method such as ``get_text_features``).
-        Layer names are relative to ``model``. Compiling the model again with
-        plain ``torch.compile`` and this backend (``fabric.setup`` does) ends the
-        per-forward checks; the plain path's, at ``optimizer.step()``, apply.
+        Layer names are relative to ``model``. Compiled again with plain
+        ``torch.compile`` and this backend (``fabric.setup`` does), the model also
+        gets the plain path's checks at ``optimizer.step()``.
 
         The compiled module keeps its own Dynamo cache (``isolate_recompiles=True``
         unless given): each backend compiles its own graphs, and without it every
