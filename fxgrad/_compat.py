@@ -14,6 +14,7 @@ import inspect
 import operator
 import re
 import sys
+import types
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -237,8 +238,17 @@ def returns_new_tensors(func: Any) -> bool:
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in a nested output (tuples, dicts, Hugging Face ``ModelOutput``)."""
-    return [leaf for leaf in _pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    """The tensors in a nested output (tuples, dicts, Hugging Face ``ModelOutput``, and the
+    dataclasses and ``SimpleNamespace`` objects no pytree registration opens)."""
+    found = []
+    for leaf in _pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += tensors_in([getattr(leaf, field.name) for field in dataclasses.fields(leaf)])
+        elif isinstance(leaf, types.SimpleNamespace):
+            found += tensors_in(list(vars(leaf).values()))
+    return found
 
 
 def inductor_compile(

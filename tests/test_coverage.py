@@ -2,7 +2,9 @@
 
 import contextlib
 import copy
+import dataclasses
 import threading
+import types
 import warnings
 
 import models
@@ -286,8 +288,56 @@ def test_a_forward_run_eagerly_is_reported_when_a_backward_reaches_it():
     with coverage_silent(), torch.compiler.set_stance("force_eager"):
         compiled(x).sum()
     with torch.compiler.set_stance("force_eager"):
-        with pytest.raises(fxgrad.CoverageError, match=r"set_stance\('force_eager'\) is in effect"):
-            compiled(x).sum().backward()
+        loss = compiled(x).sum()
+    with pytest.raises(fxgrad.CoverageError, match=r"set_stance\('force_eager'\) is in effect"):
+        loss.backward()  # the stance of the forward, which ended before
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+
+
+class _Box:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class _Returns(nn.Module):
+    """Returns its output in an object no pytree registration opens."""
+
+    def __init__(self, wrap):
+        super().__init__()
+        self.fc, self.wrap = nn.Linear(8, 2), wrap
+
+    def forward(self, x):
+        return self.wrap(self.fc(x))
+
+
+def _namespace(logits):
+    return types.SimpleNamespace(logits=logits)
+
+
+@pytest.mark.parametrize("wrap", [_Output, _namespace, _Box], ids=["dataclass", "namespace", "object"])
+def test_outputs_in_objects_no_pytree_opens(wrap):
+    """The watch finds a dataclass's and a namespace's tensors (a backward through them was
+    taken for a bypass); a later forward that ran no graph is then reported when a backward
+    reaches it, and at once when its outputs cannot be found (it went unreported, sweep 28),
+    whose backwards are then not checked for a bypass."""
+    model = _Returns(wrap)
+    compiled = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager").compile(model)
+    x = torch.randn(4, 8)
+    with coverage_silent():
+        compiled(x).logits.sum().backward()
+    eager = pytest.raises(fxgrad.CoverageError, match="a forward of _Returns ran no compiled graph")
+    with torch.compiler.set_stance("force_eager"):
+        if wrap is _Box:
+            with eager:
+                compiled(x)
+            return
+        out = compiled(x)
+    with eager:
+        out.logits.sum().backward()
 
 
 def sweep(compile_, trials):

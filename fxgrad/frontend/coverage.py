@@ -321,14 +321,16 @@ class CoverageCheck:
         if hooked:
             self.warn(HOOKED.format(names=", ".join(hooked)))
 
-    def ran_eagerly(self, model: nn.Module, first: bool, hint: str = "") -> None:
-        """A forward of ``model`` ran no graph of this backend: the policy did nothing."""
+    def ran_eagerly(self, model: nn.Module, first: bool, hint: str = "", stance: str | None = None) -> None:
+        """A forward of ``model`` ran no graph of this backend: the policy did nothing.
+        ``stance``: the ``torch.compiler.set_stance`` in effect at that forward, if any
+        (:func:`fxgrad._compat.compiler_stance`), the cause then named."""
         if not any(p.requires_grad for p in model.parameters()):
             return
         layers = build_layers(model_rows(model, "")[0], (), self.skip)
         name = type(model).__name__
         what = f"no graph of {name} reached the backend" if first else f"a forward of {name} ran no compiled graph"
-        rnn, stance = rnn_hint(layers), _compat.compiler_stance()
+        rnn = rnn_hint(layers)
         if stance is not None:  # the user's own choice
             rnn, cause = "", f" (torch.compiler.set_stance({stance}) is in effect)"
         elif rnn:  # the likeliest cause, which the hint gives alone

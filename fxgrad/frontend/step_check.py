@@ -379,7 +379,7 @@ class StepCheck:
             if not left_out:
                 continue
             if not any(self.registry.holds(owner.tensor) for owner in owners.values()):
-                self.coverage.ran_eagerly(model, True, self._hint(model))
+                self.coverage.ran_eagerly(model, True, self._hint(model), _compat.compiler_stance())
                 continue
             names = ", ".join(dict.fromkeys(layer.name for layer in left_out))
             self.coverage.report(

@@ -293,6 +293,7 @@ class ForwardWatch:
         self.graph_runs, self.in_graph = graph_runs, in_graph
         self._runs_before = 0
         self._first = True
+        self._opaque = False  # a forward returned its tensors in an object tensors_in cannot open
         self._writes = GradWrites(summed)
         self._shared = _SHARED.setdefault(model, _Shared())
         # The first tells accumulation apart from a fresh step, and each tells a bypass: a
@@ -321,7 +322,7 @@ class ForwardWatch:
                 hook_weakly(probe.param, self._check_bypass)
 
     def _check_bypass(self, param: nn.Parameter) -> None:
-        if _compat.backward_pass_id() in _REACHED:  # every training step's backward: nothing more
+        if self._opaque or _compat.backward_pass_id() in _REACHED:  # every training step's backward: nothing more
             return
         probe = next((probe for probe in self._probes if probe.watched is param), None)
         if probe is None:  # replaced since
@@ -343,25 +344,30 @@ class ForwardWatch:
         # reaches its outputs: a forward nobody backpropagates (validation under the
         # set_stance("force_eager") stance, say) leaves the policy nothing to miss.
         eager = self.graph_runs() == self._runs_before and self.in_graph()
+        stance = _compat.compiler_stance() if eager else None  # the cause, as at this forward
         first, self._first = self._first, False
         if eager and first:
-            self.coverage.ran_eagerly(self.model, True)
+            self.coverage.ran_eagerly(self.model, True, stance=stance)
         if not torch.is_grad_enabled() or not self.in_graph():
             return
         self._follow_probes()
         outputs = [t for t in _compat.tensors_in(output) if t.grad_fn is not None]
-        if not outputs:
+        if not outputs:  # none to wait for (an object that is no pytree hides them): said now
+            self._opaque = True  # and no backward through them can be told from a bypass
+            if eager and not first:
+                self.coverage.ran_eagerly(self.model, False, stance=stance)
             return
-        reached = functools.partial(self._backward_reached, OncePerPass(), eager and not first)  # per forward call
+        # per forward call; a later forward that ran no graph is reported when a backward reaches it
+        reached = functools.partial(self._backward_reached, OncePerPass(), eager and not first, stance)
         for node in {t.grad_fn for t in outputs}:
             node.register_prehook(reached)
 
     @torch.compiler.disable  # an autograd hook (see the module docstring)
-    def _backward_reached(self, first: OncePerPass, ran_eagerly: bool, grad_outputs: Any) -> None:
+    def _backward_reached(self, first: OncePerPass, ran_eagerly: bool, stance: str | None, grad_outputs: Any) -> None:
         _REACHED.add(_compat.backward_pass_id())
         if not first():
             return
         if ran_eagerly:
-            self.coverage.ran_eagerly(self.model, False)
+            self.coverage.ran_eagerly(self.model, False, stance=stance)
         if self._probes:
             self._writes.reaches(self._probes[0].param, type(self.model).__name__)
