@@ -351,9 +351,11 @@ class ForwardWatch:
         if not torch.is_grad_enabled() or not self.in_graph():
             return
         self._follow_probes()
-        outputs = [t for t in _compat.tensors_in(output) if t.grad_fn is not None]
-        if not outputs:  # none to wait for (an object that is no pytree hides them): said now
-            self._opaque = True  # and no backward through them can be told from a bypass
+        found = _compat.tensors_in(output)
+        outputs = [t for t in found if t.grad_fn is not None]
+        if not outputs:  # none to wait for (frozen, or an object that is no pytree hides them): said now
+            # and when hidden, no backward through them can be told from a bypass
+            self._opaque = self._opaque or not found
             if eager and not first:
                 self.coverage.ran_eagerly(self.model, False, stance=stance)
             return
