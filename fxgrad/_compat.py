@@ -584,6 +584,11 @@ def stepping_grad_scaler() -> Any:
     return None
 
 
+def is_compiled_module(model: Any) -> bool:
+    """Whether ``model`` is the module ``torch.compile(module)`` returned."""
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+
+
 def unwrap_model(model: Any) -> Any:
     """The model inside the wrappers that prefix its layers' names: data parallel's ``module``,
     ``torch.compile``'s ``_orig_mod`` and Lightning Fabric's ``_forward_module``
@@ -595,7 +600,7 @@ def unwrap_model(model: Any) -> Any:
     while True:
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             model = model.module
-        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        elif is_compiled_module(model):
             model = model._orig_mod
         elif type(model).__name__ == "_FabricModule" and hasattr(model, "_forward_module"):
             model = model._forward_module

@@ -216,6 +216,8 @@ def test_a_compiled_module_is_explained_as_its_model():
     assert "compiler='aot_eager'" in str(report)
     with pytest.raises(TypeError, match=r"model must be an nn.Module, got function"):
         backend.compile(lambda x: x)
+    with pytest.raises(TypeError, match=r"model is a module torch.compile returned; pass the model itself"):
+        backend.compile(torch.compile(model, backend=backend))  # it failed on a missing hook method
 
 
 class Broken(nn.Module):

@@ -405,6 +405,11 @@ class Backend:
                 f"model must be an nn.Module, got {type(model).__name__}; compile a function with "
                 "torch.compile(fn, backend=backend)"
             )
+        if _compat.is_compiled_module(model):
+            raise TypeError(
+                "model is a module torch.compile returned; pass the model itself (its _orig_mod): "
+                "backend.compile compiles it"
+            )
         if _compat.TORCH_COMPILE_ISOLATES:
             compile_kwargs.setdefault("isolate_recompiles", True)
         patches = _compat.inductor_config_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
