@@ -210,9 +210,10 @@ def test_a_compiled_module_is_explained_as_its_model():
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_norm(1.0), compiler="aot_eager")
     report = fxgrad.explain(backend.compile(model), torch.randn(4, 16), backend=backend)
-    assert [layer.name for layer in report.layers] == [
-        layer.name for layer in fxgrad.explain(model, torch.randn(4, 16), backend=backend).layers
-    ]
+    names = [layer.name for layer in fxgrad.explain(model, torch.randn(4, 16), backend=backend).layers]
+    assert [layer.name for layer in report.layers] == names
+    wrapped = fxgrad.explain(nn.DataParallel(model), torch.randn(4, 16), backend=backend)  # named as the model's
+    assert [layer.name for layer in wrapped.layers] == names
     assert "compiler='aot_eager'" in str(report)
     with pytest.raises(TypeError, match=r"model must be an nn.Module, got function"):
         backend.compile(lambda x: x)

@@ -176,7 +176,7 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
         raise TypeError(f"kernels must be a bool, got {kernels!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    model = getattr(model, "_orig_mod", model)  # a compiled module: explain compiles the model inside itself
+    model = _compat.unwrap_model(model)  # explain compiles the model inside a compiled or wrapped module itself
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("model has no parameter that requires grad: no gradient for a policy to act on")
     # A GradScaler has no scale before its first scaled backward, and this one is unscaled.
