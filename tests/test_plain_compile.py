@@ -814,6 +814,31 @@ def test_gradients_of_several_passes_combined_by_hand_are_reported(combine, comp
     assert len(told) == (1 if combine in ("pcgrad", "autograd.grad summed") else 0), told
 
 
+def test_a_gan_step_that_leaves_the_discriminators_gradient_is_reported_as_accumulation_only(compile_with):
+    """The generator's step backpropagates through the discriminator and leaves its gradient,
+    which the discriminator's next backward sums into: accumulation, said once as such. Not a
+    change outside the compiled backward: the watch for those had ended by then, and what it
+    noted of the generator's step must not be checked against the later, unwatched pass."""
+    G = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+    D = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="graph")
+    g, d = compile_with(backend, G), compile_with(backend, D)
+    opt_g, opt_d = torch.optim.SGD(G.parameters(), lr=1e-2), torch.optim.SGD(D.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            fake = g(torch.randn(6, 4))
+            d(torch.cat([torch.randn(6, 8), fake.detach()])).mean().backward()
+            opt_d.step()
+            opt_d.zero_grad()
+            (-d(fake)).mean().backward()  # D's gradient stays until D's next backward sums into it
+            opt_g.step()
+            opt_g.zero_grad()
+    told = [str(w.message) for w in caught if isinstance(w.message, fxgrad.CoverageWarning)]
+    assert any("still held the previous backward's gradient" in m for m in told), told
+    assert not any("not the ones the compiled backward returned" in m for m in told), told
+
+
 def test_create_graph_and_an_optimizer_stepped_in_the_backward_are_not_taken_for_changes_outside():
     """backward(create_graph=True) makes autograd copy every gradient into .grad; an optimizer
     stepped per parameter by a post-accumulate hook drops each .grad inside the backward."""

@@ -140,6 +140,8 @@ class OutsideUses:
                 changed.append(key)
         if not changed:
             self._clean += 1
+            if not self.watching:  # the passes from now on go unnoted: what the last ones noted cannot be checked
+                self._returned.clear()
             return
         self._told = True
         self._returned.clear()
