@@ -299,6 +299,39 @@ def test_graph_scope_folds_only_what_its_graphs_have_not_scaled():
     assert any("still held the previous backward's gradient" in str(w.message) for w in caught)
 
 
+@pytest.mark.parametrize("scope", SCOPES)
+def test_a_gan_with_a_folded_discriminator_equals_the_unfolded_loop(scope):
+    """The discriminator's backend folds into its fused Adam. The generator's step backpropagates
+    through the discriminator, frozen for it: that pass leaves no factor, so graph scope folds
+    too (it counted it as a second backward, and refused the discriminator's next step)."""
+
+    def run(fold):
+        torch.manual_seed(0)
+        G = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+        D = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
+        opt_g = torch.optim.Adam(G.parameters(), lr=1e-2)
+        opt_d = torch.optim.Adam(D.parameters(), lr=1e-2, fused=True)
+        if fold:
+            backend.fold(opt_d)
+        d = torch.compile(D, backend=backend)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            fake = G(torch.randn(6, 4, generator=gen))
+            opt_d.zero_grad()
+            d(torch.cat([torch.randn(6, 8, generator=gen), fake.detach()])).pow(2).mean().mul(30).backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            D.requires_grad_(False)
+            (-d(fake)).mean().backward()
+            D.requires_grad_(True)
+            opt_g.step()
+        return G, D
+
+    for actual, expected in zip(run(fold=True), run(fold=False)):
+        assert_same_weights(actual, expected)
+
+
 def test_optimizers_it_cannot_fold_are_refused():
     params = mlp().parameters()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="step")

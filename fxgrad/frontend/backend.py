@@ -255,9 +255,10 @@ class Backend:
         # not for a graph that computes no gradient (an EMA copy's).
         unwatched = self._step_check is not None and graph.trains and self._step_check.unwatched(graph)
         # A folded graph leaves its factor to the optimizer: one backward per step may, no more (see fold()).
+        # Not one that trains nothing (a frozen discriminator's, in a GAN's generator step): it leaves none.
         folded = self._folds.graphs_leave_factor and self.current_scope() == "graph"
         step_scope = self.current_scope() == "step"
-        count_backwards = unwatched or (folded and bool(graph.params))
+        count_backwards = unwatched or (folded and graph.trains)
         # Step scope: backwards are watched until the policy first runs, to see a loop that never runs it.
         watch_steps = step_scope and self._step is not None and bool(graph.params)
         if self._step_check is not None:
