@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import dataclasses
+import re
 import threading
 import types
 import warnings
@@ -1055,6 +1056,54 @@ def test_models_compiled_one_by_one_with_an_optimizer_each_are_not_reported():
         out.pow(2).mean().backward()
         for optimizer in optimizers:
             optimizer.step()
+
+
+class Discriminator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.hidden(x)))
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+@pytest.mark.parametrize(
+    "policy, same_names, says",
+    [
+        (fxgrad.clip_by_global_norm(1.0), True, None),  # keeps nothing by layer, nothing over all layers
+        (fxgrad.chain(fxgrad.monitor(), fxgrad.clip_by_global_norm(1.0)), True, "share the layer names 0, 2"),
+        (fxgrad.chain(fxgrad.monitor(), fxgrad.clip_by_global_norm(1.0)), False, None),
+        (fxgrad.zclip(warmup=2), False, r"the state of 0.zclip spans every layer"),
+        (fxgrad.adagc(warmup=2), True, "share the layer names 0, 2"),  # its per-tensor EMAs, by name
+    ],
+    ids=["global clip", "monitor, same names", "monitor", "zclip", "adagc, same names"],
+)
+def test_one_backend_over_models_with_an_optimizer_each_says_what_it_would_mix(scope, policy, same_names, says):
+    """A GAN with one backend: its statistics and state are kept by layer name, and some rules
+    keep one state over every layer (found by sweep 30: two nn.Sequential mixed their monitor
+    EMAs and AdaGC's per-tensor EMAs, silently). Said once, at the second optimizer's first step."""
+    G = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+    D = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)) if same_names else Discriminator()
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
+    g, d = torch.compile(G, backend=backend), torch.compile(D, backend=backend)
+    opt_g, opt_d = torch.optim.SGD(G.parameters(), lr=1e-2), torch.optim.SGD(D.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            fake = g(torch.randn(6, 4))
+            opt_d.zero_grad()
+            d(torch.cat([torch.randn(6, 8), fake.detach()])).mean().backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            (-d(fake)).mean().backward()
+            opt_g.step()
+    told = [str(w.message) for w in caught if "step different models of this backend" in str(w.message)]
+    if says is None:
+        assert not told, told
+    else:
+        assert len(told) == 1 and re.search(says, told[0]), told
+        assert "Give each model a backend of its own" in told[0]
 
 
 def test_models_compiled_one_by_one_in_step_scope_get_the_clip_of_everything_stepped():

@@ -49,6 +49,7 @@ from fxgrad.frontend.rewrite import rewrite_backward
 from fxgrad.frontend.step_check import (
     LOOSE,
     TRAINER_CLIPS,
+    ModelsApart,
     StepCheck,
     hand_over,
     policed_elsewhere,
@@ -178,6 +179,7 @@ class Backend:
             lambda: self.current_scope() == "graph",
         )
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._apart = ModelsApart()  # ... of optimizers that step different models of this backend
         self._told_scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._met: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models checked by _meet
         self._tracked: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # see _track
@@ -664,6 +666,9 @@ class Backend:
                 report_outside(optimizer, self.transform, [model for model, _ in self._step_models()], loose)
             elif self._coverage is not None:
                 self._coverage.stepped_together(self.registry, stepped_ids(optimizer), type(optimizer).__name__)
+            self._apart.first_step(
+                optimizer, self._step_models(), self.transform, self.store.spanning, self.store.keyed_by_layer()
+            )
         if self._outside is not None and self._outside.pending and self.current_scope() == "graph":
             self._outside.check(optimizer, self.transform, self.registry.layers_held)
         if self._summed:

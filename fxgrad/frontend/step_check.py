@@ -44,7 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from fxgrad import _compat
 from fxgrad.core.layers import GRAD, build_layers, model_rows, not_none, parameter_owners, same_objects
-from fxgrad.core.rule import Transform
+from fxgrad.core.rule import Transform, listed
 from fxgrad.core.warn import warn
 from fxgrad.frontend.coverage import CoverageCheck, CoverageWarning, rnn_hint
 from fxgrad.frontend.graphs import GraphRegistry
@@ -146,6 +146,78 @@ def report_outside(
     if outside:
         shapes = ", ".join(str(tuple(p.shape)) for p in outside[:4]) + (", ..." if len(outside) > 4 else "")
         warn(OUTSIDE.format(count=len(outside), shapes=shapes, transform=transform), CoverageWarning)
+
+
+APART = (
+    "fxgrad: {optimizer} and {other} step different models of this backend ({models}: a GAN's generator "
+    "and discriminator, say), and the backend keeps one set of statistics and state for its policy "
+    "{transform!r}: {why}. Give each model a backend of its own (fxgrad.backend(...) per model), and each "
+    "model's statistics and state are its own."
+)
+NAMES_MIX = "the models share the layer names {names}, so the statistics and state kept under those names mix the two"
+STATE_MIX = "the state of {rules} spans every layer (a norm history, a step count), and each model's steps update it"
+
+
+class ModelsApart:
+    """Says once when two optimizers step different models of one backend whose statistics or
+    state would mix: per-layer entries are kept by layer name, and some rules keep one state over
+    every layer they see (``zclip``'s norm history, ``adagc``'s step count). A global clip over
+    each model's own gradients keeps neither, and is exact as it is::
+
+        apart = ModelsApart()
+        apart.first_step(optimizer, models, transform, spanning, by_layer)  # at each optimizer's first step
+    """
+
+    def __init__(self) -> None:
+        self._stepping: weakref.WeakKeyDictionary[torch.optim.Optimizer, list] = weakref.WeakKeyDictionary()
+        self._told = False
+
+    def first_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        models: Sequence[tuple[nn.Module, str]],
+        transform: Transform,
+        spanning: Collection[str],
+        by_layer: bool,
+    ) -> None:
+        """``models``: the backend's, with their layer-name prefixes; ``spanning``: the labels of
+        the rules that keep a state over all layers; ``by_layer``: whether some state or statistic
+        is kept under a layer's name."""
+        if self._told:
+            return
+        stepped = stepped_ids(optimizer)
+        mine = [(model, prefix) for model, prefix in models if any(id(p) in stepped for p in model.parameters())]
+        self._stepping[optimizer] = [(weakref.ref(model), prefix) for model, prefix in mine]
+        for other, theirs in list(self._stepping.items()):
+            theirs = [(model, prefix) for ref, prefix in theirs if (model := ref()) is not None]
+            if other is optimizer or not theirs or not mine or {id(m) for m, _ in theirs} & {id(m) for m, _ in mine}:
+                continue
+            names = _layers(mine) & _layers(theirs) if by_layer else set()
+            if names:
+                why = NAMES_MIX.format(names=listed(sorted(names), 5))
+            elif spanning:
+                why = STATE_MIX.format(rules=", ".join(sorted(spanning)))
+            else:
+                continue
+            self._told = True
+            shown = ", ".join(type(model).__name__ for model, _ in (*theirs, *mine))
+            warn(
+                APART.format(
+                    optimizer=type(optimizer).__name__,
+                    other=type(other).__name__,
+                    models=shown,
+                    transform=transform,
+                    why=why,
+                ),
+                CoverageWarning,
+            )
+            return
+
+
+def _layers(models: Sequence[tuple[nn.Module, str]]) -> set[str]:
+    """The layer names of ``models``' parameters."""
+    owners = [parameter_owners(model, prefix) for model, prefix in models]
+    return {owner.layer for found in owners for owner in found.values()}
 
 
 def hand_over(model: nn.Module, owner: Any) -> None:

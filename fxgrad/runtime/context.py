@@ -169,6 +169,10 @@ class RouteContext:
         Returned tensors are float64. Initial values apply the first time.
         """
         shared, per_layer, per_param = shared or {}, per_layer or {}, per_param or {}
+        if shared:
+            self.graph.store.spanning.add(self.key)
+        if per_layer or per_param:
+            self.graph.store.by_layer.add(self.key)
         names = [layer.name for layer in self.layers]
         params = [param for layer in self.layers for param in layer.params]
         frame = f"@frame{self.graph.frame}" if self.graph.frame else ""

@@ -263,6 +263,8 @@ class StateStore:
         self._step: list[Group] = []  # statistics groups saved in the latest step
         self._overlap: dict[tuple[str, str], bool] = {}  # do two groups share a per-layer statistic?
         self._deferring = False  # whether defer() ran: state saves go to the deferred copy from then on
+        self.spanning: set[str] = set()  # the labels of the rules with a state over all their layers ...
+        self.by_layer: set[str] = set()  # ... and of those with a state per layer or per parameter
 
     def group(self, label: str, entries: Sequence[Entry], device: torch.device) -> Group:
         """The group of ``entries`` (state), placing entries seen for the first time."""
@@ -349,6 +351,10 @@ class StateStore:
             if key in slots.layout:
                 return slots.view(key)
         raise KeyError(key)
+
+    def keyed_by_layer(self) -> bool:
+        """Whether some state or statistic is kept under a layer's or a parameter's name."""
+        return bool(self.by_layer or self._layer_stats)
 
     def latest_stats(self) -> dict[str, torch.Tensor]:
         """Copies of the statistics the latest step wrote (one copy per device, no sync)."""
