@@ -611,6 +611,29 @@ def test_a_fixed_multiplier_under_adam_is_reported_as_cancelled(scope):
     with pytest.warns(fxgrad.CoverageWarning, match=r"Adafactor's update divides the gradient by its running RMS"):
         train(model, Adafactor(model.parameters(), lr=1e-2, relative_step=False), 2, backend=backend)
 
+    # Muon over the matrices (AdamW over the rest) divides each matrix's momentum by its norm. It
+    # orthogonalizes in bfloat16, which would round 3x anew: a power of two cancels exactly.
+    model = mlp()
+    plain = copy.deepcopy(model)
+    quadruple = fxgrad.backend(fxgrad.rescale(alpha=0, multipliers={"0": 4.0}), compiler="aot_eager", scope=scope)
+    for net, backend_or_none in ((model, quadruple), (plain, None)):
+        matrices = [p for p in net.parameters() if p.ndim == 2]
+        muon = torch.optim.Muon(matrices, lr=1e-2)
+        adamw = torch.optim.AdamW([p for p in net.parameters() if p.ndim != 2], lr=1e-2)
+        compiled = torch.compile(net, backend=backend_or_none) if backend_or_none is not None else net
+        gen = torch.Generator().manual_seed(3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(5):
+                compiled(torch.randn(16, 8, generator=gen)).pow(2).mean().backward()
+                muon.step()
+                adamw.step()
+                muon.zero_grad()
+                adamw.zero_grad()
+        if backend_or_none is not None:
+            assert any("Muon's update divides each matrix's momentum by its norm" in str(w.message) for w in caught)
+    assert_same_weights(model, plain, rtol=1e-5)
+
     for policy, make in (
         (stem, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),  # SGD: the multiplier acts
         (fxgrad.rescale(alpha=0.5), lambda p: torch.optim.AdamW(p, lr=1e-2)),  # varies per step: acts

@@ -49,9 +49,11 @@ from fxgrad.frontend.step_check import after_closure
 
 FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # their fused update reads grad_scale
 
-# Updates that divide by a running RMS of the gradient from their first step: a constant
-# per-layer factor cancels. Not RAdam: its first steps (rho_t <= 5) are momentum SGD's.
+# Updates that divide by a running RMS of the gradient from their first step, or (Muon) each
+# matrix's momentum by its norm: a constant per-layer factor cancels. Not RAdam: its first
+# steps (rho_t <= 5) are momentum SGD's.
 NORMALIZING = (
+    torch.optim.Muon,
     torch.optim.Adam,
     torch.optim.AdamW,
     torch.optim.Adamax,
@@ -158,10 +160,15 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> 
     acting = [leaf for leaf in transform.leaves() if leaf.folds != "identity"]
     if not acting or not all(leaf.fixed_factors() for leaf in acting):
         return None
+    how = (
+        "divides each matrix's momentum by its norm (before orthogonalizing it)"
+        if isinstance(optimizer, torch.optim.Muon)
+        else "divides the gradient by its running RMS"
+    )
     return (
         f"fxgrad: {transform!r} only multiplies each layer's gradient by a factor that is the same on every "
-        f"step, and {type(optimizer).__name__}'s update divides the gradient by its running RMS, so the factor "
-        "cancels: the weights move as without the policy (up to float rounding). Put the factor on the update "
+        f"step, and {type(optimizer).__name__}'s update {how}, so the factor cancels: the weights move as "
+        "without the policy (up to float rounding). Put the factor on the update "
         "instead (apply_to='update': a per-layer learning-rate scale), or use SGD, where it acts."
     )
 
