@@ -508,6 +508,29 @@ def test_a_graph_reused_by_repeated_blocks_transforms_them_all_and_says_only_tha
     assert_grads_close(model, expected, untouched=untouched)
 
 
+@pytest.mark.parametrize(
+    "policy, skip, named",
+    [
+        (fxgrad.by_name({"1.*": fxgrad.clip_by_norm(1e-9)}), (), "1.fc2, 2.fc1"),  # block 1's own rule
+        (fxgrad.by_name({"0.fc2": fxgrad.clip_by_norm(1e-9)}), (), "1.fc2, 2.fc2"),  # block 0's rule only
+        (fxgrad.clip_by_norm(1e-9), ("1.*",), "1.fc2, 2.fc1"),  # a skip pattern
+    ],
+    ids=["by_name of block 1", "by_name of block 0", "skip"],
+)
+def test_a_graph_reused_by_blocks_the_policy_routes_otherwise_is_reported(policy, skip, named, compile_with):
+    """Each block's break splits the forward into graphs of [0.fc1], [0.fc2, 1.fc1], then the
+    second runs again for [1.fc2, 2.fc1], applying the routes of the layers it was compiled for:
+    a rule meant for 1.fc2 did nothing there and acted on 2.fc1, said only as "the gradients are
+    transformed" (found by sweep 29 on Hugging Face DeBERTa)."""
+    model = nn.Sequential(*(BrokenBlock() for _ in range(3)))
+    compiled = compile_with(fxgrad.backend(policy, compiler="aot_eager", skip=skip), model)
+    with pytest.warns(fxgrad.CoverageWarning) as caught:
+        compiled(torch.randn(4, 8)).sum().backward()
+    told = [str(w.message) for w in caught if "routes otherwise" in str(w.message)]
+    layers = {name for message in told for name in re.search(r"whose layers (.*) the policy", message)[1].split(", ")}
+    assert layers == set(named.split(", ")), told
+
+
 def test_two_forwards_in_one_backward_are_reported_at_the_optimizer_step(compile_with):
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")

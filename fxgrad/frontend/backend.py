@@ -44,7 +44,7 @@ from fxgrad.frontend.coverage import (
 )
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.outside_uses import OutsideUses
-from fxgrad.frontend.plan import GraphPlan, plan_graph
+from fxgrad.frontend.plan import GraphPlan, misrouted, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
 from fxgrad.frontend.step_check import (
     LOOSE,
@@ -329,6 +329,18 @@ class Backend:
             return  # step scope: the graph is a plain one, and the policy's state is per layer of the model
         if not graph.reuses(args[graph.params[0].index]):
             self.registry.note_reuse(graph, [p.tensor() for p in before] + [args[p.index] for p in graph.params])
+            names = [graph.reused.get(id(args[p.index]), (None, p.layer))[1] for p in graph.params]
+            wrong = misrouted(self.transform, graph, names, self.registry.forward_order(), self.skip)
+            if wrong:
+                self._coverage.report(
+                    f"fxgrad: Dynamo runs the graph compiled for layer {graph.params[0].layer!r} with the "
+                    f"parameters of another module (a graph break inside a repeated block's forward), whose layers "
+                    f"{listed(wrong, 5)} the policy {self.transform!r} routes otherwise (a by_name key, a multiplier "
+                    "or a skip pattern names them): the graph applies the routes of the layers it was compiled "
+                    "for. Use fxgrad.backend(..., scope='step'), which routes every layer by its own name, or "
+                    "remove the graph break.",
+                    fatal=self.transform.reduces_across_layers(),
+                )
         self._coverage.warn(
             f"fxgrad: Dynamo reuses the graph compiled for layer {graph.params[0].layer!r} with the parameters "
             "of another module (a graph break inside a repeated block's forward, or a second model of the "

@@ -43,3 +43,33 @@ def plan_graph(
         slots[p.layer] = slots.get(p.layer, ()) + (p.index,)
     routes = transform.routes(layers) if transform is not None else []
     return GraphPlan(tuple(layers), slots, tuple(routes))
+
+
+def misrouted(
+    transform: Transform | None,
+    graph: CapturedGraph,
+    names: Sequence[str],
+    order: Sequence[str],
+    skip: Sequence[SkipEntry],
+) -> list[str]:
+    """The layers, named as in ``names`` (one per slot of ``graph.params``), that ``transform``
+    routes otherwise than the layers ``graph`` was compiled for: Dynamo runs one graph for the
+    parameters of several modules (a graph break inside a repeated block's forward), and its
+    rewrite applies the routes of the first (``by_name`` keys, multipliers, skip patterns)::
+
+        misrouted(by_name({"blocks.1.*": clip_by_norm(1.0)}), graph_of_block_0, block_1_names, order, skip)
+        # ['blocks.1.fc1', 'blocks.1.fc2']
+    """
+    if transform is None:
+        return []
+
+    def routing(layer_names: Sequence[str]) -> list[set[int]]:
+        rows = [ParamRow(name, p.name, p.module_type, p.numel) for name, p in zip(layer_names, graph.params)]
+        layers = build_layers(rows, order, skip)
+        position = {layer.name: i for i, layer in enumerate(layers)}
+        return [{position[layer.name] for layer in route.layers} for route in transform.routes(layers)]
+
+    new_layers = list(dict.fromkeys(names))
+    compiled_for, now = routing([p.layer for p in graph.params]), routing(names)
+    changed = {i for before, after in zip(compiled_for, now) for i in before ^ after}
+    return [new_layers[i] for i in sorted(changed)]
