@@ -241,6 +241,35 @@ def test_the_report_says_what_training_with_a_strict_backend_raises(strict):
     assert ("raises CoverageError (strict=True)" in str(report)) == strict
 
 
+class BrokenBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        torch._dynamo.graph_break()
+        return self.fc2(h)
+
+
+def test_layers_in_a_graph_dynamo_reuses_show_what_it_applies_to_them():
+    """A break inside each block: Dynamo runs the graph compiled for [0.fc2, 1.fc1] again for
+    [1.fc2, 2.fc1]. Those layers were said to be "not captured: in no compiled graph", and a
+    strict global clip named that as its reason (sweep 29, Hugging Face DeBERTa and Wav2Vec2)."""
+    model = nn.Sequential(*(BrokenBlock() for _ in range(3)))
+    report = fxgrad.explain(model, torch.randn(2, 8), backend=aot(fxgrad.by_name({"0.fc2": fxgrad.clip_by_norm(1.0)})))
+    actions = {row.name: row.action for row in report.layers}
+    assert actions["0.fc2"] == "clip_by_norm(max_norm=1.0)"
+    assert actions["1.fc1"] == "untouched"
+    reused = "  (in the graph compiled for {}, which Dynamo runs for it too)"
+    assert actions["1.fc2"] == "clip_by_norm(max_norm=1.0)" + reused.format("0.fc2")
+    assert actions["2.fc1"] == "untouched" + reused.format("1.fc1")
+    assert any("routes otherwise" in w for w in report.warnings)  # 0.fc2's rule acts on 1.fc2 and 2.fc2
+    strict = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
+    report = fxgrad.explain(nn.Sequential(*(BrokenBlock() for _ in range(3))), torch.randn(2, 8), backend=strict)
+    assert "1.fc2 (Linear): in the graph compiled for '0.fc2', which Dynamo runs for it too" in report.raises[0]
+
+
 def test_a_model_without_trainable_parameters_is_refused():
     model = nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter that requires grad"):

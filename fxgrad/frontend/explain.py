@@ -246,8 +246,10 @@ def _decisions(model: nn.Module, probe: Backend, step_scope: list | None) -> lis
         if step_scope is not None
         else [route for graph in probe.graphs for route in graph.routes]
     )
+    reused_as: dict[str, str] = {}  # layers run in a graph compiled for another block's: that layer
     for graph in probe.graphs:
         seen |= {layer.name for layer in graph.layers}
+        reused_as.update(graph.reused_as)
     on_grad = {layer.name for route in routes if route.leaf.apply_to == "grad" for layer in route.layers}
     for route in routes:
         for layer in route.layers:
@@ -259,6 +261,10 @@ def _decisions(model: nn.Module, probe: Backend, step_scope: list | None) -> lis
         reason = skip_reason(name, info.module_type, probe.skip)
         if not info.trainable:
             action = "frozen (requires_grad=False): no gradient"
+        elif name not in seen and name in reused_as:
+            compiled_for = reused_as[name]
+            done = " -> ".join(actions.get(compiled_for, ["untouched"]))
+            action = f"{done}  (in the graph compiled for {compiled_for}, which Dynamo runs for it too)"
         elif name not in seen:
             action = "not captured: " + _where(probe, name)
         elif name in actions:

@@ -110,18 +110,20 @@ class GraphRegistry:
         self._changed()
 
     def note_reuse(self, graph: CapturedGraph, params: Sequence) -> None:
-        """Calls ran ``graph`` with the ``params`` of several modules: remember them and their
-        layers, which the graph's rewrite transforms."""
+        """Calls ran ``graph`` with the ``params`` of several modules (one call's after another's,
+        in the order of ``graph.params``): remember them and their layers, which the graph's
+        rewrite transforms as the layers it was compiled for."""
         owners: dict = {}
         for root in self.roots.values():
             model = root.module()
             if model is not None:
                 owners.update(parameter_owners(model, root.prefix))
         graph.reused = {key: (ref, layer) for key, ref, layer in graph.reused_layers()}  # drop freed ones
-        for param in params:
+        for index, param in enumerate(params):  # slot by slot, one call's parameters after another's
             owner = owners.get(id(param))
             if owner is not None:
                 graph.reused[id(param)] = weakref.ref(param), owner.layer
+                graph.reused_as[owner.layer] = graph.params[index % len(graph.params)].layer
         self._changed()
 
     def prefix(self, model: object) -> str:
@@ -186,6 +188,12 @@ class GraphRegistry:
 
     def locate(self, graph: CapturedGraph, layer: str) -> str:
         """Where a layer missing from ``graph`` is, in words."""
+        compiled_for = next((other.reused_as[layer] for other in self.current() if layer in other.reused_as), None)
+        if compiled_for is not None:
+            return (
+                f"in the graph compiled for {compiled_for!r}, which Dynamo runs for it too (a graph break inside a "
+                "repeated block's forward)"
+            )
         if any(p.layer == layer for part in self.parts_of_same_forward(graph) for p in part.params):
             return "in another compiled graph of the same forward (a graph break)"
         if any(p.layer == layer for other in self.current() for p in other.params):

@@ -95,6 +95,8 @@ class CapturedGraph:
     # Parameters of other modules Dynamo ran this graph with (a graph break inside a repeated
     # block's forward): id -> (the parameter, weakly; its layer). Their gradients are transformed.
     reused: dict = dataclasses.field(default_factory=dict)
+    # ... and, by their layer, the layer compiled in their slots, whose routes they get
+    reused_as: dict[str, str] = dataclasses.field(default_factory=dict)
     # The compiled callable Dynamo holds; dead after torch._dynamo.reset():
     compiled: weakref.ref | None = None
     # The backend's count of compiled-graph calls at this graph's last call (-1: never called)
