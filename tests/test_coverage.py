@@ -531,6 +531,41 @@ def test_a_graph_reused_by_blocks_the_policy_routes_otherwise_is_reported(policy
     assert layers == set(named.split(", ")), told
 
 
+class SegmentAttention(nn.Module):
+    """Like XLNet's relative attention: a parameter the forward uses only with segment ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.segment_bias = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8))
+
+    def forward(self, x, segments=None):
+        y = x @ self.q
+        return y if segments is None else y + self.segment_bias
+
+
+def test_a_layer_with_a_parameter_the_forward_does_not_use_is_clipped_as_eager(compile_with):
+    """One graph holds the layer's used parameter; its other one is in none. A per-layer rule
+    raised "would see only part of a layer's gradient", as if a graph break split the layer
+    (sweep 29, XLNet): it now clips what has a gradient, as eager, and names the parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SegmentAttention(), nn.Linear(8, 1))
+    expected = copy.deepcopy(model)
+    compiled = compile_with(fxgrad.backend(fxgrad.clip_by_norm(1e-2), compiler="aot_eager"), model)
+    x = torch.randn(4, 8)
+    with pytest.warns(fxgrad.CoverageWarning, match=r"0 \(SegmentAttention\): 0.segment_bias in no compiled graph"):
+        compiled(x).pow(2).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+    expected(x).pow(2).sum().backward()
+    untouched = grads_of(expected)
+    ref.clip_per_layer(expected, 1e-2)
+    assert_grads_close(model, expected, untouched=untouched)
+    assert model[0].segment_bias.grad is None
+    strict = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager")  # an unused part: as before
+    compiled = compile_with(strict, nn.Sequential(SegmentAttention(), nn.Linear(8, 1)))
+    with pytest.raises(fxgrad.CoverageError, match="0.segment_bias in no compiled graph"):
+        compiled(x).sum().backward()
+
+
 def test_two_forwards_in_one_backward_are_reported_at_the_optimizer_step(compile_with):
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")

@@ -60,6 +60,12 @@ class Gap:
         return f"{self.route} {self.problem}:\n" + "\n".join(rows)
 
 
+NO_GRAPH_PART = (
+    "in no compiled graph, the rest of it in this one: the forward does not use them (on these inputs, at "
+    "least), or they run outside torch.compile (a function under torch.compiler.disable)"
+)
+
+
 def find_gaps(
     intended: Sequence[Route],
     actual: Sequence[Route],
@@ -80,10 +86,15 @@ def find_gaps(
         have_params = {layer.name: set(layer.params) for layer in have.layers}
         missing = [(layer, locate(layer.name)) for layer in want.layers if layer.name not in have_params]
         present = [layer for layer in want.layers if layer.name in have_params]
-        split = [
+        split = [  # the rest of the layer in another graph
             (layer, f"only {len(have_params[layer.name])} of its {len(layer.params)} parameters are in this graph")
             for layer in present
-            if have_params[layer.name] != set(layer.params)
+            if have_params[layer.name] != set(layer.params) and layer.name in elsewhere
+        ]
+        partial = [  # ... or in none: unused by the forward (XLNet's segment bias), or run eagerly
+            (layer, f"{', '.join(sorted(set(layer.params) - have_params[layer.name]))} {NO_GRAPH_PART}")
+            for layer in present
+            if have_params[layer.name] != set(layer.params) and layer.name not in elsewhere
         ]
         shared = [
             (layer, "a parameter of it is also used by another graph of the same forward")
@@ -93,15 +104,17 @@ def find_gaps(
         route, reach = repr(want.leaf), want.leaf.reach
         if reach == "group" and not have.layers and all(layer.name in elsewhere for layer, _ in missing):
             continue  # applied to none of this graph's layers (frozen ones): the graphs holding the rest check theirs
-        if reach == "group" and (missing or split or shared):
-            gaps.append(Gap(route, "would see only part of its layers", _unique(missing + split + shared), True))
+        if reach == "group" and (missing or split or partial or shared):
+            gaps.append(
+                Gap(route, "would see only part of its layers", _unique(missing + split + partial + shared), True)
+            )
             continue
         broken = (split if reach == "layer" else []) + shared
         if broken:
             gaps.append(Gap(route, "would see only part of a layer's gradient", _unique(broken), True))
         unreached = tuple((layer, why) for layer, why in missing if layer.name not in elsewhere)
-        if unreached:
-            gaps.append(Gap(route, "is not applied to", unreached, False))
+        if unreached or partial:
+            gaps.append(Gap(route, "is not applied to", unreached + tuple(partial), False))
     return gaps
 
 
