@@ -514,8 +514,10 @@ def test_a_graph_reused_by_repeated_blocks_transforms_them_all_and_says_only_tha
         (fxgrad.by_name({"1.*": fxgrad.clip_by_norm(1e-9)}), (), "1.fc2, 2.fc1"),  # block 1's own rule
         (fxgrad.by_name({"0.fc2": fxgrad.clip_by_norm(1e-9)}), (), "1.fc2, 2.fc2"),  # block 0's rule only
         (fxgrad.clip_by_norm(1e-9), ("1.*",), "1.fc2, 2.fc1"),  # a skip pattern
+        (fxgrad.rescale(alpha=1, target=0.1, multipliers={"2.fc1": 2.0}), (), "2.fc1"),  # found by sweep 31
+        (fxgrad.rescale(alpha=1, target=lambda depth, name: 1 + depth), (), "1.fc2, 2.fc1, 2.fc2"),  # by depth
     ],
-    ids=["by_name of block 1", "by_name of block 0", "skip"],
+    ids=["by_name of block 1", "by_name of block 0", "skip", "multiplier", "depth target"],
 )
 def test_a_graph_reused_by_blocks_the_policy_routes_otherwise_is_reported(policy, skip, named, compile_with):
     """Each block's break splits the forward into graphs of [0.fc1], [0.fc2, 1.fc1], then the
@@ -526,8 +528,8 @@ def test_a_graph_reused_by_blocks_the_policy_routes_otherwise_is_reported(policy
     compiled = compile_with(fxgrad.backend(policy, compiler="aot_eager", skip=skip), model)
     with pytest.warns(fxgrad.CoverageWarning) as caught:
         compiled(torch.randn(4, 8)).sum().backward()
-    told = [str(w.message) for w in caught if "routes otherwise" in str(w.message)]
-    layers = {name for message in told for name in re.search(r"whose layers (.*) the policy", message)[1].split(", ")}
+    told = [str(w.message) for w in caught if "treats otherwise" in str(w.message)]
+    layers = {name for message in told for name in re.search(r"whose layers (.*?) the policy", message)[1].split(", ")}
     assert layers == set(named.split(", ")), told
 
 

@@ -335,10 +335,10 @@ class Backend:
                 self._coverage.report(
                     f"fxgrad: Dynamo runs the graph compiled for layer {graph.params[0].layer!r} with the "
                     f"parameters of another module (a graph break inside a repeated block's forward), whose layers "
-                    f"{listed(wrong, 5)} the policy {self.transform!r} routes otherwise (a by_name key, a multiplier "
-                    "or a skip pattern names them): the graph applies the routes of the layers it was compiled "
-                    "for. Use fxgrad.backend(..., scope='step'), which routes every layer by its own name, or "
-                    "remove the graph break.",
+                    f"{listed(wrong, 5)} the policy {self.transform!r} treats otherwise (a by_name key, a skip "
+                    "pattern, a multiplier or a target names them, or depends on their depth): the graph does to "
+                    "them what the policy does to the layers it was compiled for. Use fxgrad.backend(..., "
+                    "scope='step'), which treats every layer by its own name and depth, or remove the graph break.",
                     fatal=self.transform.reduces_across_layers(),
                 )
         self._coverage.warn(

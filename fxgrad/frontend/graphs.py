@@ -123,7 +123,9 @@ class GraphRegistry:
             owner = owners.get(id(param))
             if owner is not None:
                 graph.reused[id(param)] = weakref.ref(param), owner.layer
-                graph.reused_as[owner.layer] = graph.params[index % len(graph.params)].layer
+                compiled_for = graph.params[index % len(graph.params)].layer
+                if compiled_for != owner.layer:  # not the graph's own
+                    graph.reused_as[owner.layer] = compiled_for
         self._changed()
 
     def prefix(self, model: object) -> str:

@@ -53,9 +53,10 @@ def misrouted(
     skip: Sequence[SkipEntry],
 ) -> list[str]:
     """The layers, named as in ``names`` (one per slot of ``graph.params``), that ``transform``
-    routes otherwise than the layers ``graph`` was compiled for: Dynamo runs one graph for the
+    treats otherwise than the layers ``graph`` was compiled for: Dynamo runs one graph for the
     parameters of several modules (a graph break inside a repeated block's forward), and its
-    rewrite applies the routes of the first (``by_name`` keys, multipliers, skip patterns)::
+    rewrite applies what the policy does to the first (``by_name`` keys, skip patterns, a
+    multiplier or a target of the layer's name or depth)::
 
         misrouted(by_name({"blocks.1.*": clip_by_norm(1.0)}), graph_of_block_0, block_1_names, order, skip)
         # ['blocks.1.fc1', 'blocks.1.fc2']
@@ -63,13 +64,22 @@ def misrouted(
     if transform is None:
         return []
 
-    def routing(layer_names: Sequence[str]) -> list[set[int]]:
+    def treatment(layer_names: Sequence[str]) -> list[dict[int, str]]:
+        """Per route, what its rule does to each layer it takes, by the layer's position."""
         rows = [ParamRow(name, p.name, p.module_type, p.numel) for name, p in zip(layer_names, graph.params)]
         layers = build_layers(rows, order, skip)
         position = {layer.name: i for i, layer in enumerate(layers)}
-        return [{position[layer.name] for layer in route.layers} for route in transform.routes(layers)]
+        return [
+            {position[layer.name]: route.leaf.on_layer(layer) for layer in route.layers}
+            for route in transform.routes(layers)
+        ]
 
     new_layers = list(dict.fromkeys(names))
-    compiled_for, now = routing([p.layer for p in graph.params]), routing(names)
-    changed = {i for before, after in zip(compiled_for, now) for i in before ^ after}
+    compiled_for, now = treatment([p.layer for p in graph.params]), treatment(names)
+    changed = {
+        i
+        for before, after in zip(compiled_for, now)
+        for i in before.keys() | after.keys()
+        if before.get(i) != after.get(i)
+    }
     return [new_layers[i] for i in sorted(changed)]
