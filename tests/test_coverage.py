@@ -554,7 +554,9 @@ def test_a_layer_with_a_parameter_the_forward_does_not_use_is_clipped_as_eager(c
     expected = copy.deepcopy(model)
     compiled = compile_with(fxgrad.backend(fxgrad.clip_by_norm(1e-2), compiler="aot_eager"), model)
     x = torch.randn(4, 8)
-    with pytest.warns(fxgrad.CoverageWarning, match=r"0 \(SegmentAttention\): 0.segment_bias in no compiled graph"):
+    with pytest.warns(
+        fxgrad.CoverageWarning, match=r"applied to only part of:\n    0 \(SegmentAttention\): 0.segment_bias"
+    ):
         compiled(x).pow(2).sum().backward()
         torch.optim.SGD(model.parameters(), lr=0.0).step()
     expected(x).pow(2).sum().backward()
@@ -566,6 +568,23 @@ def test_a_layer_with_a_parameter_the_forward_does_not_use_is_clipped_as_eager(c
     compiled = compile_with(strict, nn.Sequential(SegmentAttention(), nn.Linear(8, 1)))
     with pytest.raises(fxgrad.CoverageError, match="0.segment_bias in no compiled graph"):
         compiled(x).sum().backward()
+
+
+class EagerSegmentAttention(SegmentAttention):
+    def forward(self, x, segments=None):
+        return eager_only(x @ self.q) + eager_only(self.segment_bias)
+
+
+def test_a_layer_with_a_parameter_run_eagerly_is_refused_at_the_step(compile_with):
+    """The same layer, its bias added outside the compiled graph: not unused, but run eagerly, so
+    the layer's rule saw part of its gradient (sweep 31: 56x the eager clip, with a warning that
+    it might be unused). Its gradient says which: refused at the optimizer's step."""
+    model = nn.Sequential(EagerSegmentAttention(), nn.Linear(8, 1))
+    compiled = compile_with(fxgrad.backend(fxgrad.clip_by_norm(1e-2), compiler="aot_eager"), model)
+    with pytest.warns(fxgrad.CoverageWarning, match=r"is applied to only part of:\n    0 \(EagerSegmentAttention\)"):
+        compiled(torch.randn(4, 8)).pow(2).sum().backward()
+    with pytest.raises(fxgrad.CoverageError, match=r"got a gradient from no compiled graph(.|\n)*: 0.segment_bias"):
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
 
 
 def test_two_forwards_in_one_backward_are_reported_at_the_optimizer_step(compile_with):

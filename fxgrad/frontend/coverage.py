@@ -13,6 +13,7 @@ unless the backend has ``strict=False``.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -52,6 +53,7 @@ class Gap:
     problem: str
     layers: tuple[tuple[Layer, str], ...]
     fatal: bool
+    unplaced: tuple[str, ...] = ()  # parameters in no graph, of layers with others in this one
 
     def describe(self) -> str:
         rows = [f"    {layer.name} ({layer.type_name}): {why}" for layer, why in self.layers[:20]]
@@ -113,8 +115,11 @@ def find_gaps(
         if broken:
             gaps.append(Gap(route, "would see only part of a layer's gradient", _unique(broken), True))
         unreached = tuple((layer, why) for layer, why in missing if layer.name not in elsewhere)
-        if unreached or partial:
-            gaps.append(Gap(route, "is not applied to", unreached + tuple(partial), False))
+        if unreached:
+            gaps.append(Gap(route, "is not applied to", unreached, False))
+        if partial:
+            unplaced = {name for layer, _ in partial for name in set(layer.params) - have_params[layer.name]}
+            gaps.append(Gap(route, "is applied to only part of", tuple(partial), False, tuple(sorted(unplaced))))
     return gaps
 
 
@@ -252,6 +257,8 @@ class CoverageCheck:
         self.transform, self.skip, self.strict = transform, skip, strict
         self._reported: set[str] = set()
         self.fatal: list[str] = []  # what was reported that strict=True raises (explain's copy is not strict)
+        # parameters in no graph while the rest of their layer is in one: unused, or run eagerly (see unplaced_used)
+        self.unplaced: dict[int, tuple[weakref.ref, str]] = {}
 
     def graph(self, registry: GraphRegistry, graph: CapturedGraph, plan: GraphPlan, has_grad: set[int]) -> None:
         """Compare ``plan`` with what the policy targets across the model; warn or raise."""
@@ -265,6 +272,11 @@ class CoverageCheck:
             lambda layer: registry.locate(graph, layer),
         )
         graph.gaps = gaps
+        named = registry.parameters_of(graph) if any(gap.unplaced for gap in gaps) else {}
+        for gap in gaps:
+            for name in gap.unplaced:
+                if name in named:
+                    self.unplaced[id(named[name])] = weakref.ref(named[name]), f"{gap.route}: {name}"
         fatal = [gap for gap in gaps if gap.fatal]
         if fatal:
             text = "\n".join(gap.describe() for gap in fatal)
@@ -380,6 +392,23 @@ class CoverageCheck:
         if fatal:
             self.fatal.append(message)
         self.warn(message)
+
+    def unplaced_used(self) -> None:
+        """At an optimizer's step: a parameter in no compiled graph, the rest of its layer in one, has a
+        gradient, so it ran eagerly rather than unused: the layer's rule saw part of its gradient."""
+        used = [
+            key for key, (ref, _) in self.unplaced.items() if (param := ref()) is not None and param.grad is not None
+        ]
+        if not used:
+            return
+        named = "\n".join(f"    {self.unplaced.pop(key)[1]}" for key in used)
+        self.report(
+            "fxgrad: these parameters got a gradient from no compiled graph (they run outside torch.compile: a "
+            "function under torch.compiler.disable, or a graph break in a loop), while the rest of their layer is "
+            f"in one, so the layer's rule saw only part of its gradient:\n{named}\nUse fxgrad.backend(..., "
+            "scope='step'), which transforms the whole .grad at optimizer.step(), or compile that part too.",
+            fatal=True,
+        )
 
     def compiled_autograd(self) -> None:
         """Refuse to rewrite backward graphs that compiled autograd would bypass."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import weakref
 from typing import Iterable, Sequence
 
+import torch.nn as nn
+
 from fxgrad.core.layers import Layer, ParamRow, SkipEntry, build_layers, model_rows, parameter_owners
 from fxgrad.passes.capture import CapturedGraph, Root, live_root
 
@@ -127,6 +129,16 @@ class GraphRegistry:
                 if compiled_for != owner.layer:  # not the graph's own
                     graph.reused_as[owner.layer] = compiled_for
         self._changed()
+
+    def parameters_of(self, graph: CapturedGraph) -> dict[str, nn.Parameter]:
+        """The parameters of the models ``graph`` belongs to, by name."""
+        named: dict[str, nn.Parameter] = {}
+        for key in dict.fromkeys(p.root for p in graph.params if p.root is not None):
+            root = self.roots[key]
+            model = root.module()
+            if model is not None:
+                named.update((owner.param, owner.tensor) for owner in parameter_owners(model, root.prefix).values())
+        return named
 
     def prefix(self, model: object) -> str:
         """The prefix of ``model``'s layer names (see :class:`Root`)."""

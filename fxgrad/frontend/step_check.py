@@ -406,6 +406,8 @@ class StepCheck:
             return
         if not self.in_graph():
             return
+        if self.coverage.unplaced:
+            self.coverage.unplaced_used()
         seen = self._seen.setdefault(optimizer, _Seen())
         params = list(itertools.chain.from_iterable(group["params"] for group in optimizer.param_groups))
         if seen.generation != self.registry.generation or not same_objects(params, seen.params):
