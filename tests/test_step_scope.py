@@ -157,6 +157,44 @@ def test_optimizer_step_applies_the_policy_once(compile_with):
     assert_grads_close(model, eager)
 
 
+@pytest.mark.parametrize("zero_grad", ["set_to_none", "zeroed"])
+def test_gradients_changed_in_place_after_backend_step_are_not_taken_for_new_ones(zero_grad, compile_with):
+    """docs/distributed.md: call backend.step() when your own code (a clip) must see the
+    transformed gradients before the optimizer. That clip changed them in place, and the
+    optimizer's step took them for new gradients and ran the policy again: AdaGC's step count
+    went 2, 4, 6 (sweep 32). A skipped step (zero_grad, a new backward, no optimizer step in
+    between) still gets the policy at the next step."""
+    model, eager = mlp_and_copy()
+    backend = fxgrad.backend(fxgrad.adagc(warmup=2, lambda_abs=1e-2), compiler="aot_eager", scope="step")
+    compiled = compile_with(backend, model)
+    adagc = ref.AdaGC(warmup=2, lambda_abs=1e-2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected_optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for step in range(5):
+        x = torch.randn(4, 16)
+        for net, opt in ((compiled, optimizer), (eager, expected_optimizer)):
+            opt.zero_grad(set_to_none=zero_grad == "set_to_none")
+            models.loss_of(net(x)).backward()
+        if step == 2:  # a skipped step: the policy runs, nothing steps, a new batch follows
+            backend.step()
+            adagc.step(eager)  # the policy ran on the gradients dropped next
+            optimizer.zero_grad(set_to_none=zero_grad == "set_to_none")
+            expected_optimizer.zero_grad(set_to_none=zero_grad == "set_to_none")
+            x = torch.randn(4, 16)
+            models.loss_of(compiled(x)).backward()
+            models.loss_of(eager(x)).backward()
+        else:
+            backend.step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the user's own clip, after the policy
+        optimizer.step()
+        adagc.step(eager)
+        torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.5)
+        expected_optimizer.step()
+    assert backend.state_dict()["0.adagc/step"].item() == 6
+    for actual, expected in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_closure_step_applies_the_policy_to_what_its_closure_computes(compile_with):
     """``optimizer.step(closure)`` runs the last micro-batch's backward inside the step, after
     its pre-hooks (Lightning's automatic optimization with accumulate_grad_batches): the policy

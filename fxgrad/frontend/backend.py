@@ -188,7 +188,14 @@ class Backend:
         self._loaded = False  # load_state_dict() ran, and no optimizer step has checked what it placed
         if transform is not None:
             in_step = lambda: self.current_scope() == "step"  # noqa: E731
-            self._step = StepScope(self._step_models, self._apply_to_grads, self.scaler, self._before_update, in_step)
+            self._step = StepScope(
+                self._step_models,
+                self._apply_to_grads,
+                self.scaler,
+                self._before_update,
+                in_step,
+                lambda: self._graph_runs,
+            )
             if scope == "step":
                 self._step.arm()
         on_update = any(leaf.apply_to == "update" for leaf in leaves)
@@ -575,7 +582,7 @@ class Backend:
             raise RuntimeError("step() has no model: pass step(model), or compile one with this backend first")
         self._step.arm()
         unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler)  # called after unscale_
-        self._step.apply(models, None if unscaled else self.scaler)
+        self._step.apply(models, None if unscaled else self.scaler, by_hand=True)
 
     def fold(self, optimizer: torch.optim.Optimizer) -> None:
         """Let ``optimizer``'s own update apply the policy's final factor (no pass over the gradients).

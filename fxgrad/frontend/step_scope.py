@@ -246,9 +246,13 @@ class StepScope:
         scaler: Any,
         after: Callable[[torch.optim.Optimizer], None],
         active: Callable[[], bool],
+        forwards: Callable[[], int] = lambda: 0,
     ) -> None:
         self.models, self.run, self.scaler, self.after, self.active = models, run, scaler, after, active
+        self.forwards = forwards  # counts the calls of the backend's compiled forwards
         self._seen = SeenGrads()
+        # after backend.step(): the forwards then, and each parameter with its gradient then (weakly)
+        self._by_hand: tuple[int, list[tuple[nn.Parameter, weakref.ref | None]]] | None = None
         self._armed = False
         self._walks: dict[tuple[int, ...], ModelParameters] = {}  # by the ids of the models walked
         self._ids: tuple[tuple, frozenset] = ((), frozenset())  # the last walk, and its parameters' ids
@@ -260,15 +264,24 @@ class StepScope:
             self._armed = True
             optimizer_pre_hook(self, StepScope.before_optimizer_step)
 
-    def apply(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list[nn.Parameter] | None = None) -> None:
+    def apply(
+        self,
+        models: list[tuple[nn.Module, str]],
+        scaler: Any,
+        params: list[nn.Parameter] | None = None,
+        by_hand: bool = False,
+    ) -> None:
         """Run the policy on ``models``' gradients (``params``: their parameters, if known),
-        unless it already ran on them."""
+        unless it already ran on them. ``by_hand``: called by ``backend.step()``, after which the
+        code before the optimizer's step may change the gradients in place (a clip of its own):
+        that step then takes them as they are (see :meth:`_edited_since_by_hand`)."""
         params = self.parameters(models) if params is None else params
         grads = list(map(GRAD, params))
-        if not self._seen.changed(params, grads):
-            return
-        self.run(models, scaler, params)  # in place: each .grad stays the tensor it was
-        self._seen.record(params, grads)
+        if self._seen.changed(params, grads):
+            self.run(models, scaler, params)  # in place: each .grad stays the tensor it was
+            self._seen.record(params, grads)
+        if by_hand:
+            self._by_hand = self.forwards(), [(p, None if g is None else weakref.ref(g)) for p, g in zip(params, grads)]
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.active():
@@ -286,9 +299,27 @@ class StepScope:
         steps_ours = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
         if not steps_ours:
             return
-        unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
-        self.apply(models, None if unscaled else self.scaler, params)
+        if self._edited_since_by_hand(params):
+            self._seen.record(params, list(map(GRAD, params)))  # the policy ran on them: the edits are the user's
+        else:
+            unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
+            self.apply(models, None if unscaled else self.scaler, params)
         self.after(optimizer)
+
+    def _edited_since_by_hand(self, params: Sequence[nn.Parameter]) -> bool:
+        """Whether the gradients are those ``backend.step()`` last ran the policy on, perhaps changed in
+        place since (a clip of the user's own, which the version check would take for new gradients):
+        no compiled forward ran since, and each gradient is the tensor it was. Once: the first
+        optimizer step after ``backend.step()`` takes the mark."""
+        if self._by_hand is None:
+            return False
+        (forwards, before), self._by_hand = self._by_hand, None
+        if forwards != self.forwards():
+            return False
+        grads = {id(p): ref for p, ref in before}
+        return all(
+            id(p) in grads and (p.grad is None if grads[id(p)] is None else grads[id(p)]() is p.grad) for p in params
+        )
 
     def forget(self) -> None:
         """Drop the kept walks, a model having died (what ran on which gradients stays known;
