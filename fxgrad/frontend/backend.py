@@ -686,7 +686,12 @@ class Backend:
             elif self._coverage is not None:
                 self._coverage.stepped_together(self.registry, stepped_ids(optimizer), type(optimizer).__name__)
             self._apart.first_step(
-                optimizer, self._step_models(), self.transform, self.store.spanning, self.store.keyed_by_layer()
+                optimizer,
+                self._step_models(),
+                self.transform,
+                self.store.spanning,
+                self.store.keyed_by_layer(),
+                None if self.current_scope() == "step" else self.registry.frames_of,
             )
         if self._outside is not None and self._outside.pending and self.current_scope() == "graph":
             self._outside.check(optimizer, self.transform, self.registry.layers_held)

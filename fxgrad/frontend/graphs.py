@@ -159,6 +159,10 @@ class GraphRegistry:
         of one frame share its number; the code after a graph break is a new frame."""
         return self._frames.get(graph.compile_id[0], 0)
 
+    def frames_of(self, model: object) -> set[int]:
+        """The numbers (:meth:`frame_index`) of the frames whose graphs hold ``model``'s parameters."""
+        return {self.frame_index(graph) for graph in self.current() if id(model) in graph.roots()}
+
     def parts_of_same_forward(self, graph: CapturedGraph) -> list[CapturedGraph]:
         """Other graphs of the same models that run in the same forward as ``graph``.
 

@@ -148,24 +148,29 @@ def report_outside(
         warn(OUTSIDE.format(count=len(outside), shapes=shapes, transform=transform), CoverageWarning)
 
 
-APART = (
-    "fxgrad: {optimizer} and {other} step different models of this backend ({models}: a GAN's generator "
-    "and discriminator, say), and the backend keeps one set of statistics and state for its policy "
-    "{transform!r}: {why}. Give each model a backend of its own (fxgrad.backend(...) per model), and each "
-    "model's statistics and state are its own."
+NAMES_MIX = (
+    "fxgrad: the models {models} of this backend share the layer names {names}, and the backend keeps the "
+    "statistics and state of its policy {transform!r} by layer name: the models' entries under those names "
+    "mix. Give each model a backend of its own (fxgrad.backend(...) per model), or compile the module that "
+    "holds them all, so that each layer has a name of its own."
 )
-NAMES_MIX = "the models share the layer names {names}, so the statistics and state kept under those names mix the two"
-STATE_MIX = "the state of {rules} spans every layer (a norm history, a step count), and each model's steps update it"
+STATE_MIX = (
+    "fxgrad: {optimizer} and {other} step different models of this backend ({models}: a GAN's generator and "
+    "discriminator, say), and the state of {rules} spans every layer (a norm history, a step count): each "
+    "model's steps update it in turn. Give each model a backend of its own (fxgrad.backend(...) per model)."
+)
 
 
 class ModelsApart:
-    """Says once when two optimizers step different models of one backend whose statistics or
-    state would mix: per-layer entries are kept by layer name, and some rules keep one state over
-    every layer they see (``zclip``'s norm history, ``adagc``'s step count). A global clip over
-    each model's own gradients keeps neither, and is exact as it is::
+    """Says once when a backend's statistics or state would mix models it compiled one by one:
+    per-layer entries are kept by layer name, which two models can share (a GAN's networks, both
+    ``nn.Sequential``); and some rules keep one state over every layer they see (``zclip``'s norm
+    history, ``adagc``'s step count), which the steps of two optimizers over different models
+    would both update, where that state is one for both (step scope; in graph scope, one per
+    compiled frame). A global clip keeps neither, and is exact as it is::
 
         apart = ModelsApart()
-        apart.first_step(optimizer, models, transform, spanning, by_layer)  # at each optimizer's first step
+        apart.first_step(optimizer, models, transform, spanning, by_layer, frames)  # each optimizer's first
     """
 
     def __init__(self) -> None:
@@ -179,45 +184,71 @@ class ModelsApart:
         transform: Transform,
         spanning: Collection[str],
         by_layer: bool,
+        frames: Callable[[nn.Module], set[int]] | None,
     ) -> None:
         """``models``: the backend's, with their layer-name prefixes; ``spanning``: the labels of
         the rules that keep a state over all layers; ``by_layer``: whether some state or statistic
-        is kept under a layer's name."""
+        is kept under a layer's name; ``frames(model)``: the compiled frames whose state a model's
+        graphs use (graph scope), ``None`` where all share one (step scope)."""
         if self._told:
             return
+        inner = {id(m) for model, _ in models for m in model.modules() if m is not model}  # named by their holder
         stepped = stepped_ids(optimizer)
-        mine = [(model, prefix) for model, prefix in models if any(id(p) in stepped for p in model.parameters())]
+        mine = [
+            (model, prefix)
+            for model, prefix in models
+            if id(model) not in inner and any(id(p) in stepped for p in model.parameters())
+        ]
         self._stepping[optimizer] = [(weakref.ref(model), prefix) for model, prefix in mine]
-        for other, theirs in list(self._stepping.items()):
-            theirs = [(model, prefix) for ref, prefix in theirs if (model := ref()) is not None]
+        live = {
+            opt: [(model, prefix) for ref, prefix in pairs if (model := ref()) is not None]
+            for opt, pairs in list(self._stepping.items())
+        }
+        if by_layer:
+            holders: dict[str, list[nn.Module]] = {}  # by layer name, the models that have it
+            for pairs in live.values():
+                for model, prefix in pairs:
+                    for layer in _layers(model, prefix):
+                        found = holders.setdefault(layer, [])
+                        if model not in found:
+                            found.append(model)
+            clash = {layer: found for layer, found in holders.items() if len(found) > 1}
+            if clash:
+                self._tell(
+                    NAMES_MIX,
+                    models=", ".join(
+                        type(m).__name__ for m in {id(m): m for ms in clash.values() for m in ms}.values()
+                    ),
+                    names=listed(sorted(clash), 5),
+                    transform=transform,
+                )
+                return
+        if not spanning:
+            return
+        for other, theirs in live.items():
             if other is optimizer or not theirs or not mine or {id(m) for m, _ in theirs} & {id(m) for m, _ in mine}:
                 continue
-            names = _layers(mine) & _layers(theirs) if by_layer else set()
-            if names:
-                why = NAMES_MIX.format(names=listed(sorted(names), 5))
-            elif spanning:
-                why = STATE_MIX.format(rules=", ".join(sorted(spanning)))
-            else:
-                continue
-            self._told = True
-            shown = ", ".join(type(model).__name__ for model, _ in (*theirs, *mine))
-            warn(
-                APART.format(
-                    optimizer=type(optimizer).__name__,
-                    other=type(other).__name__,
-                    models=shown,
-                    transform=transform,
-                    why=why,
-                ),
-                CoverageWarning,
+            if frames is not None and not set().union(*(frames(m) for m, _ in mine)) & set().union(
+                *(frames(m) for m, _ in theirs)
+            ):
+                continue  # graph scope: their graphs keep the state apart, one per frame
+            self._tell(
+                STATE_MIX,
+                optimizer=type(optimizer).__name__,
+                other=type(other).__name__,
+                models=", ".join(type(model).__name__ for model, _ in (*theirs, *mine)),
+                rules=", ".join(sorted(spanning)),
             )
             return
 
+    def _tell(self, message: str, **values: Any) -> None:
+        self._told = True
+        warn(message.format(**values), CoverageWarning)
 
-def _layers(models: Sequence[tuple[nn.Module, str]]) -> set[str]:
-    """The layer names of ``models``' parameters."""
-    owners = [parameter_owners(model, prefix) for model, prefix in models]
-    return {owner.layer for found in owners for owner in found.values()}
+
+def _layers(model: nn.Module, prefix: str) -> set[str]:
+    """The layer names of ``model``'s parameters."""
+    return {owner.layer for owner in parameter_owners(model, prefix).values()}
 
 
 def hand_over(model: nn.Module, owner: Any) -> None:
