@@ -324,9 +324,10 @@ class Folds:
             raise ValueError(
                 f"fold in graph scope: {factors} backward passes through the compiled graphs since the last "
                 "step (accumulated micro-batches, a graph break, retain_graph, an adversarial attack's "
-                "torch.autograd.grad of the input, an optimizer.step() skipped after a backward, or a GAN's "
+                "torch.autograd.grad of the input, an optimizer.step() skipped after a backward, a GAN's "
                 "generator step backpropagating through the discriminator: freeze it for that step, "
-                "requires_grad_(False)): each left its own factor, which one grad_scale cannot hold. Use "
+                "requires_grad_(False), or one backend folded into the optimizers of two models: give each "
+                "model a backend of its own): each left its own factor, which one grad_scale cannot hold. Use "
                 "fxgrad.backend(..., scope='step'), which applies the factor of the whole step's gradient, or "
                 "do not fold."
             )

@@ -214,10 +214,11 @@ class PolicyRuns:
 
 
 DROPPED = (
-    "fxgrad: scope='step' applies the policy at optimizer.step() of a torch.optim optimizer, or at "
-    "backend.step(), and neither ran between backward passes whose gradients were then zeroed: the policy "
-    "did nothing to them. Call backend.step() after the last backward() of each step, before updating "
-    "the weights."
+    "fxgrad: scope='step' applies the policy at optimizer.step() of a torch.optim optimizer that steps the "
+    "model's parameters, or at backend.step(), and neither ran between backward passes whose gradients were "
+    "then zeroed (an optimizer over copies of the parameters, fp32 master weights, is not one): the policy "
+    "did nothing to them. Call backend.step() after the last backward() of each step, before the gradients "
+    "are copied or the weights updated."
 )
 
 NOT_WRITTEN = (
