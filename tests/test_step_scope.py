@@ -195,6 +195,27 @@ def test_gradients_changed_in_place_after_backend_step_are_not_taken_for_new_one
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_two_optimizers_after_backend_step_and_an_edit_apply_the_policy_once():
+    """A GAN's two optimizers after one backend.step() and the user's own clip: the first
+    optimizer's step took the mark, and the second took its model's edited gradients for new."""
+    from test_coverage import Discriminator
+
+    G, D = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), Discriminator()
+    backend = fxgrad.backend(
+        fxgrad.rescale(alpha=0, multipliers={"0": 2.0, "hidden": 2.0}), compiler="aot_eager", scope="step"
+    )
+    g, d = torch.compile(G, backend=backend), torch.compile(D, backend=backend)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in (D, G)]
+    d(g(torch.randn(6, 4))).mean().backward()
+    raw = {m: m.weight.grad.clone() for m in (G[0], D.hidden)}
+    backend.step()
+    torch.nn.utils.clip_grad_norm_([*G.parameters(), *D.parameters()], 1e9)  # in place, by 1.0
+    for optimizer in optimizers:
+        optimizer.step()
+    for module, before in raw.items():
+        torch.testing.assert_close(module.weight.grad, 2 * before)
+
+
 def test_a_closure_step_applies_the_policy_to_what_its_closure_computes(compile_with):
     """``optimizer.step(closure)`` runs the last micro-batch's backward inside the step, after
     its pre-hooks (Lightning's automatic optimization with accumulate_grad_batches): the policy

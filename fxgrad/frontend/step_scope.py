@@ -252,8 +252,8 @@ class StepScope:
         self.models, self.run, self.scaler, self.after, self.active = models, run, scaler, after, active
         self.forwards = forwards  # counts the calls of the backend's compiled forwards
         self._seen = SeenGrads()
-        # after backend.step(): the forwards then, and each parameter with its gradient then (weakly)
-        self._by_hand: tuple[int, list[tuple[nn.Parameter, weakref.ref | None]]] | None = None
+        # after backend.step(): the forwards then, the parameters, and their gradients then (weakly)
+        self._by_hand: tuple[int, Sequence[nn.Parameter], list[weakref.ref | None]] | None = None
         self._armed = False
         self._walks: dict[tuple[int, ...], ModelParameters] = {}  # by the ids of the models walked
         self._ids: tuple[tuple, frozenset] = ((), frozenset())  # the last walk, and its parameters' ids
@@ -282,7 +282,7 @@ class StepScope:
             self.run(models, scaler, params)  # in place: each .grad stays the tensor it was
             self._seen.record(params, grads)
         if by_hand:
-            self._by_hand = self.forwards(), [(p, None if g is None else weakref.ref(g)) for p, g in zip(params, grads)]
+            self._by_hand = self.forwards(), params, [None if g is None else weakref.ref(g) for g in grads]
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.active():
@@ -300,27 +300,25 @@ class StepScope:
         steps_ours = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
         if not steps_ours:
             return
-        if self._edited_since_by_hand(params):
-            self._seen.record(params, list(map(GRAD, params)))  # the policy ran on them: the edits are the user's
-        else:
+        if not self._edited_since_by_hand():
             unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
             self.apply(models, None if unscaled else self.scaler, params)
         self.after(optimizer)
 
-    def _edited_since_by_hand(self, params: Sequence[nn.Parameter]) -> bool:
+    def _edited_since_by_hand(self) -> bool:
         """Whether the gradients are those ``backend.step()`` last ran the policy on, perhaps changed in
         place since (a clip of the user's own, which the version check would take for new gradients):
-        no compiled forward ran since, and each gradient is the tensor it was. Once: the first
-        optimizer step after ``backend.step()`` takes the mark."""
+        no compiled forward ran since, and each gradient is the tensor it was. If so, they count as
+        seen as they are now, for this optimizer and any other that steps next (a GAN's two). The
+        first optimizer step after ``backend.step()`` takes the mark."""
         if self._by_hand is None:
             return False
-        (forwards, before), self._by_hand = self._by_hand, None
-        if forwards != self.forwards():
+        (forwards, params, refs), self._by_hand = self._by_hand, None
+        grads = list(map(GRAD, params))
+        if forwards != self.forwards() or not all(map(operator.is_, [None if r is None else r() for r in refs], grads)):
             return False
-        grads = {id(p): ref for p, ref in before}
-        return all(
-            id(p) in grads and (p.grad is None if grads[id(p)] is None else grads[id(p)]() is p.grad) for p in params
-        )
+        self._seen.record(params, grads)
+        return True
 
     def forget(self) -> None:
         """Drop the kept walks, a model having died (what ran on which gradients stays known;
