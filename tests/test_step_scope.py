@@ -195,6 +195,22 @@ def test_gradients_changed_in_place_after_backend_step_are_not_taken_for_new_one
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_step_skipped_after_backend_step_leaves_the_next_one_the_policy():
+    """An eager model (no compiled forward to count), zero_grad(set_to_none=False): backend.step(),
+    no optimizer step, then a new backward onto the zeroed tensors. The next optimizer step took
+    them for the old gradients, edited, and skipped the policy (sweep 33)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    backend = fxgrad.backend(fxgrad.rescale(alpha=0, multipliers={"0": 2.0}), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model(torch.randn(3, 4)).sum().backward()
+    backend.step(model)  # and no optimizer step: a skipped one
+    optimizer.zero_grad(set_to_none=False)
+    model(torch.randn(3, 4)).sum().backward()
+    raw = model[0].weight.grad.clone()
+    optimizer.step()
+    torch.testing.assert_close(model[0].weight.grad, 2 * raw)
+
+
 def test_two_optimizers_after_backend_step_and_an_edit_apply_the_policy_once():
     """A GAN's two optimizers after one backend.step() and the user's own clip: the first
     optimizer's step took the mark, and the second took its model's edited gradients for new."""

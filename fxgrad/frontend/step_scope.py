@@ -252,8 +252,8 @@ class StepScope:
         self.models, self.run, self.scaler, self.after, self.active = models, run, scaler, after, active
         self.forwards = forwards  # counts the calls of the backend's compiled forwards
         self._seen = SeenGrads()
-        # after backend.step(): the forwards then, the parameters, and their gradients then (weakly)
-        self._by_hand: tuple[int, Sequence[nn.Parameter], list[weakref.ref | None]] | None = None
+        # after backend.step(): the forwards then, the parameters, their gradients then (weakly) and versions
+        self._by_hand: tuple[int, Sequence[nn.Parameter], list[weakref.ref | None], list[int | None]] | None = None
         self._armed = False
         self._walks: dict[tuple[int, ...], ModelParameters] = {}  # by the ids of the models walked
         self._ids: tuple[tuple, frozenset] = ((), frozenset())  # the last walk, and its parameters' ids
@@ -282,7 +282,13 @@ class StepScope:
             self.run(models, scaler, params)  # in place: each .grad stays the tensor it was
             self._seen.record(params, grads)
         if by_hand:
-            self._by_hand = self.forwards(), params, [None if g is None else weakref.ref(g) for g in grads]
+            refs = [None if g is None else weakref.ref(g) for g in grads]
+            self._by_hand = (
+                self.forwards(),
+                params,
+                refs,
+                [None if g is None else _compat.gradient_version(g) for g in grads],
+            )
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.active():
@@ -306,17 +312,24 @@ class StepScope:
         self.after(optimizer)
 
     def _edited_since_by_hand(self) -> bool:
-        """Whether the gradients are those ``backend.step()`` last ran the policy on, perhaps changed in
-        place since (a clip of the user's own, which the version check would take for new gradients):
-        no compiled forward ran since, and each gradient is the tensor it was. If so, they count as
-        seen as they are now, for this optimizer and any other that steps next (a GAN's two). The
-        first optimizer step after ``backend.step()`` takes the mark."""
+        """Whether the gradients are those ``backend.step()`` last ran the policy on, changed in place
+        once at most since (a clip of the user's own, which the version check would take for new
+        gradients): no compiled forward ran since, each gradient is the tensor it was, and its
+        version moved by one or less (a new backward onto zeroed gradients moves it by two: the
+        zeroing, then the sum; an eager forward leaves the count of compiled ones as it was). If
+        so, they count as seen as they are now, for this optimizer and any other that steps next
+        (a GAN's two). The first optimizer step after ``backend.step()`` takes the mark."""
         if self._by_hand is None:
             return False
-        (forwards, params, refs), self._by_hand = self._by_hand, None
+        (forwards, params, refs, versions), self._by_hand = self._by_hand, None
         grads = list(map(GRAD, params))
-        if forwards != self.forwards() or not all(map(operator.is_, [None if r is None else r() for r in refs], grads)):
+        if forwards != self.forwards():
             return False
+        for ref, version, grad in zip(refs, versions, grads):
+            if (None if ref is None else ref()) is not grad:
+                return False
+            if grad is not None and _compat.gradient_version(grad) - version > 1:
+                return False
         self._seen.record(params, grads)
         return True
 
