@@ -570,6 +570,41 @@ def test_a_layer_with_a_parameter_the_forward_does_not_use_is_clipped_as_eager(c
         compiled(x).sum().backward()
 
 
+class BranchyHead(nn.Module):
+    """An attention like XLNet's, then a branch on a Python flag: Dynamo compiles a graph per side."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention, self.extra, self.out = SegmentAttention(), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.wide = False
+
+    def forward(self, x):
+        h = self.attention(x)
+        return self.out(self.extra(h) if self.wide else h)
+
+
+def test_a_recompile_does_not_make_a_parameter_in_no_graph_look_split(compile_with):
+    """The second side's graph also holds the attention, with the same parameters; its segment bias
+    is still in none. The layer was refused as split between graphs (sweep 33)."""
+    torch.manual_seed(0)
+    model = BranchyHead()
+    expected = copy.deepcopy(model)
+    compiled = compile_with(fxgrad.backend(fxgrad.clip_by_norm(1e-2), compiler="aot_eager"), model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxgrad.CoverageWarning)  # the bias, and extra on the first side
+        for wide in (False, True, False):
+            model.wide = expected.wide = wide
+            x = torch.randn(4, 8)
+            for net in (model, expected):
+                net.zero_grad()
+            compiled(x).pow(2).sum().backward()
+            torch.optim.SGD(model.parameters(), lr=0.0).step()
+            expected(x).pow(2).sum().backward()
+            untouched = grads_of(expected)
+            ref.clip_per_layer(expected, 1e-2)
+            assert_grads_close(model, expected, untouched=untouched)
+
+
 class EagerSegmentAttention(SegmentAttention):
     def forward(self, x, segments=None):
         return eager_only(x @ self.q) + eager_only(self.segment_bias)

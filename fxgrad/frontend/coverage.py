@@ -74,29 +74,32 @@ def find_gaps(
     shared_layers: set[str],
     elsewhere: set[str],
     locate: Callable[[str], str],
+    params_elsewhere: set[str],
 ) -> list[Gap]:
     """Compare the routes over the whole model with the routes over one graph.
 
     ``intended`` and ``actual`` come from the same policy, so they line up
     index by index. ``shared_layers`` are layers with a parameter that another
     graph of the same forward also uses; ``elsewhere`` are layers that another
-    compiled graph holds (per-layer transforms reach them there);
-    ``locate(layer_name)`` says where a missing layer is.
+    compiled graph holds (per-layer transforms reach them there), and
+    ``params_elsewhere`` the parameters, by name; ``locate(layer_name)`` says
+    where a missing layer is.
     """
     gaps = []
     for want, have in zip(intended, actual):
         have_params = {layer.name: set(layer.params) for layer in have.layers}
         missing = [(layer, locate(layer.name)) for layer in want.layers if layer.name not in have_params]
         present = [layer for layer in want.layers if layer.name in have_params]
+        absent = {layer.name: set(layer.params) - have_params[layer.name] for layer in present}
         split = [  # the rest of the layer in another graph
             (layer, f"only {len(have_params[layer.name])} of its {len(layer.params)} parameters are in this graph")
             for layer in present
-            if have_params[layer.name] != set(layer.params) and layer.name in elsewhere
+            if absent[layer.name] & params_elsewhere
         ]
         partial = [  # ... or in none: unused by the forward (XLNet's segment bias), or run eagerly
-            (layer, f"{', '.join(sorted(set(layer.params) - have_params[layer.name]))} {NO_GRAPH_PART}")
+            (layer, f"{', '.join(sorted(absent[layer.name]))} {NO_GRAPH_PART}")
             for layer in present
-            if have_params[layer.name] != set(layer.params) and layer.name not in elsewhere
+            if absent[layer.name] and not absent[layer.name] & params_elsewhere
         ]
         shared = [
             (layer, "a parameter of it is also used by another graph of the same forward")
@@ -270,6 +273,7 @@ class CoverageCheck:
             registry.shared_layers(graph, has_grad),
             registry.layers_elsewhere(graph),
             lambda layer: registry.locate(graph, layer),
+            registry.params_elsewhere(graph),
         )
         graph.gaps = gaps
         named = registry.parameters_of(graph) if any(gap.unplaced for gap in gaps) else {}

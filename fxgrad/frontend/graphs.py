@@ -198,6 +198,11 @@ class GraphRegistry:
         held = {p.layer for other in graphs if other is not graph for p in other.params}
         return held | {layer for other in graphs for _, _, layer in other.reused_layers()}
 
+    def params_elsewhere(self, graph: CapturedGraph) -> set[str]:
+        """The names of the parameters that other compiled graphs hold (a recompile's graph holds
+        those of the first; a parameter in none is unused, or runs eagerly)."""
+        return {p.name for other in self.current() if other is not graph for p in other.params}
+
     def shared_layers(self, graph: CapturedGraph, has_grad: set[int]) -> set[str]:
         """Layers with a parameter that another graph of the same forward also uses."""
         mine = {p.name: p.layer for p in graph.params if p.index in has_grad}
