@@ -353,7 +353,8 @@ class Backend:
             "of another module (a graph break inside a repeated block's forward, or a second model of the "
             "same class). The gradients are transformed and weight reads follow the module that runs, but "
             "per-layer state and statistics (monitor, rescale's EMA target, weight_norm_drift) are those of "
-            "the first module's layers. Remove the graph break, give each model its own "
+            "the first module's layers, and a state over all layers (zclip's, autoclip's, adagc's) is one for "
+            "both. Remove the graph break, give each model its own "
             "fxgrad.backend(...), or use scope='step'."
         )
 

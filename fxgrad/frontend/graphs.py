@@ -159,9 +159,15 @@ class GraphRegistry:
         of one frame share its number; the code after a graph break is a new frame."""
         return self._frames.get(graph.compile_id[0], 0)
 
-    def frames_of(self, model: object) -> set[int]:
-        """The numbers (:meth:`frame_index`) of the frames whose graphs hold ``model``'s parameters."""
-        return {self.frame_index(graph) for graph in self.current() if id(model) in graph.roots()}
+    def frames_of(self, model: nn.Module) -> set[int]:
+        """The numbers (:meth:`frame_index`) of the frames whose graphs hold ``model``'s parameters, or
+        ran with them (a graph Dynamo reuses for a second model of the same class)."""
+        ids = {id(p) for p in model.parameters()}
+        return {
+            self.frame_index(graph)
+            for graph in self.current()
+            if id(model) in graph.roots() or not ids.isdisjoint(graph.reused)
+        }
 
     def parts_of_same_forward(self, graph: CapturedGraph) -> list[CapturedGraph]:
         """Other graphs of the same models that run in the same forward as ``graph``.
