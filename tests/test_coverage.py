@@ -622,6 +622,75 @@ def test_a_layer_with_a_parameter_run_eagerly_is_refused_at_the_step(compile_wit
         torch.optim.SGD(model.parameters(), lr=0.0).step()
 
 
+class SharedWeightBlock(BrokenBlock):
+    def forward(self, x, shared):
+        return self.fc2(eager_only(torch.tanh(self.fc1(x) + x @ shared)))
+
+
+class BlocksWithSharedWeight(nn.Module):
+    """Blocks with a graph break inside, each taking a weight of the model's own, as DeBERTa's
+    layers take its relative position embeddings: Dynamo runs one block's graph for every block."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(8, 8, bias=False)
+        self.blocks = nn.ModuleList(SharedWeightBlock() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, self.shared.weight)
+        return x
+
+
+def test_a_weight_every_call_of_a_reused_graph_takes_is_refused(compile_with):
+    """Each call's backward transformed its part of the shared weight's gradient and autograd
+    summed the parts: a clip to t gave 1.5 t (sweep 34, Hugging Face DeBERTa), said only as
+    "the gradients are transformed"."""
+    compiled = compile_with(fxgrad.backend(fxgrad.clip_by_norm(1e-2), compiler="aot_eager"), BlocksWithSharedWeight())
+    with pytest.raises(fxgrad.CoverageError, match=r"each call takes the parameters of shared \(a module every"):
+        compiled(torch.randn(4, 8)).sum().backward()
+
+
+class Recompute(torch.autograd.Function):
+    """Reversible layers' way (Hugging Face Reformer): the forward under no_grad, the backward
+    recomputes it with gradients, outside any compiled graph."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.save_for_backward(x)
+        ctx.layer = layer
+        torch._dynamo.graph_break()  # as Reformer's: Dynamo runs the Function, and compiles the layer apart
+        return layer(x)  # a Function's forward runs without gradients
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            out = ctx.layer(x)
+        torch.autograd.backward(out, grad)
+        return x.grad, None
+
+
+class Reversible(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(Recompute.apply(x, self.inner))
+
+
+def test_a_layer_only_in_graphs_that_compute_no_gradient_is_reported(compile_with):
+    """Its parameters were taken for covered, since a graph held them: the policy did nothing to
+    the encoder of a Reformer, with no warning (sweep 34)."""
+    compiled = compile_with(fxgrad.backend(fxgrad.clip_by_norm(1e-9), compiler="aot_eager"), Reversible())
+    with pytest.warns(
+        fxgrad.CoverageWarning, match=r"inner \(Linear\): only in compiled graphs that compute no gradient"
+    ):
+        compiled(torch.randn(4, 8)).sum().backward()
+
+
 def test_two_forwards_in_one_backward_are_reported_at_the_optimizer_step(compile_with):
     model = models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")

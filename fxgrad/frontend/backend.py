@@ -44,7 +44,7 @@ from fxgrad.frontend.coverage import (
 )
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.outside_uses import OutsideUses
-from fxgrad.frontend.plan import GraphPlan, misrouted, plan_graph
+from fxgrad.frontend.plan import GraphPlan, acted_on, misrouted, plan_graph
 from fxgrad.frontend.rewrite import rewrite_backward
 from fxgrad.frontend.step_check import (
     LOOSE,
@@ -336,8 +336,23 @@ class Backend:
             return  # step scope: the graph is a plain one, and the policy's state is per layer of the model
         if not graph.reuses(args[graph.params[0].index]):
             self.registry.note_reuse(graph, [p.tensor() for p in before] + [args[p.index] for p in graph.params])
+            order = self.registry.forward_order()
+            # a parameter every call takes (a module all the blocks use): each call's backward gets a part of its
+            # gradient, which the policy transforms apart, and autograd sums the parts
+            both = {p.layer for p in before if p.tensor() is args[p.index]} & acted_on(
+                self.transform, graph, order, self.skip
+            )
+            if both:
+                self._coverage.report(
+                    f"fxgrad: Dynamo runs the graph compiled for layer {graph.params[0].layer!r} once per module that "
+                    f"uses it in a forward, and each call takes the parameters of {listed(sorted(both), 5)} (a module "
+                    "every block uses, as DeBERTa's relative position embeddings): each call's backward transforms "
+                    f"its own part of their gradient and autograd sums the parts, so {self.transform!r} sees none of "
+                    "those layers' whole gradient. Use fxgrad.backend(..., scope='step'), or remove the graph break.",
+                    fatal=True,
+                )
             names = [graph.reused.get(id(args[p.index]), (None, p.layer))[1] for p in graph.params]
-            wrong = misrouted(self.transform, graph, names, self.registry.forward_order(), self.skip)
+            wrong = misrouted(self.transform, graph, names, order, self.skip)
             if wrong:
                 self._coverage.report(
                     f"fxgrad: Dynamo runs the graph compiled for layer {graph.params[0].layer!r} with the "

@@ -84,7 +84,7 @@ class GraphRegistry:
         By identity, not by ``id()`` alone: a freed parameter's id can come back as
         another model's parameter, and Dynamo keeps old graphs alive."""
         if self._held is None:
-            graphs = self.current()
+            graphs = self.training()
             self._held = {id(p.tensor()): p.tensor for graph in graphs for p in graph.params}
             self._held.update((key, ref) for graph in graphs for key, ref, _ in graph.reused_layers())
         ref = self._held.get(id(tensor))
@@ -102,6 +102,12 @@ class GraphRegistry:
         """The graphs that are not a freed model's (:meth:`CapturedGraph.current`): what the
         questions below are about."""
         return [graph for graph in self.graphs if graph.current()]
+
+    def training(self) -> list[CapturedGraph]:
+        """The current graphs that compute gradients of parameters: a graph compiled under
+        ``torch.no_grad`` holds parameters without producing their gradients (reversible layers
+        run their forward so, and recompute it outside torch.compile for the backward)."""
+        return [graph for graph in self.current() if graph.trains]
 
     def _changed(self) -> None:
         self._held = None
@@ -200,14 +206,14 @@ class GraphRegistry:
         graph break, and recompiles (of a branch, or of a submodule's frame for another
         instance); and layers of other modules that any graph ran for (:meth:`note_reuse`).
         A per-layer transform reaches them in the graph that holds them."""
-        graphs = self.current()
+        graphs = self.training()
         held = {p.layer for other in graphs if other is not graph for p in other.params}
         return held | {layer for other in graphs for _, _, layer in other.reused_layers()}
 
     def params_elsewhere(self, graph: CapturedGraph) -> set[str]:
         """The names of the parameters that other compiled graphs hold (a recompile's graph holds
         those of the first; a parameter in none is unused, or runs eagerly)."""
-        return {p.name for other in self.current() if other is not graph for p in other.params}
+        return {p.name for other in self.training() if other is not graph for p in other.params}
 
     def shared_layers(self, graph: CapturedGraph, has_grad: set[int]) -> set[str]:
         """Layers with a parameter that another graph of the same forward also uses."""
@@ -223,10 +229,15 @@ class GraphRegistry:
                 f"in the graph compiled for {compiled_for!r}, which Dynamo runs for it too (a graph break inside a "
                 "repeated block's forward)"
             )
-        if any(p.layer == layer for part in self.parts_of_same_forward(graph) for p in part.params):
+        if any(p.layer == layer for part in self.parts_of_same_forward(graph) if part.trains for p in part.params):
             return "in another compiled graph of the same forward (a graph break)"
-        if any(p.layer == layer for other in self.current() for p in other.params):
+        if any(p.layer == layer for other in self.training() for p in other.params):
             return "in another compiled graph (a graph break, or a recompile for a branch taken on other inputs)"
+        if any(p.layer == layer for other in self.current() for p in other.params):
+            return (
+                "only in compiled graphs that compute no gradient (run under torch.no_grad): its gradient comes "
+                "from code outside torch.compile (reversible layers recompute their forward in the backward)"
+            )
         return (
             "in no compiled graph: it runs outside torch.compile (a graph break in a loop, a frame "
             "past torch._dynamo.config.recompile_limit, or a graph whose compile failed, which Dynamo "

@@ -45,6 +45,18 @@ def plan_graph(
     return GraphPlan(tuple(layers), slots, tuple(routes))
 
 
+def _treatment(
+    transform: Transform, graph: CapturedGraph, names: Sequence[str], order: Sequence[str], skip: Sequence[SkipEntry]
+) -> tuple[list[Layer], list[dict[int, str]]]:
+    """``graph``'s layers named as in ``names`` (one per slot of ``graph.params``), and per route,
+    what its rule does to each layer it takes (:meth:`~fxgrad.core.rule.Leaf.on_layer`), by position."""
+    rows = [ParamRow(name, p.name, p.module_type, p.numel) for name, p in zip(names, graph.params)]
+    layers = build_layers(rows, order, skip)
+    position = {layer.name: i for i, layer in enumerate(layers)}
+    routes = transform.routes(layers)
+    return layers, [{position[layer.name]: route.leaf.on_layer(layer) for layer in route.layers} for route in routes]
+
+
 def misrouted(
     transform: Transform | None,
     graph: CapturedGraph,
@@ -63,23 +75,22 @@ def misrouted(
     """
     if transform is None:
         return []
-
-    def treatment(layer_names: Sequence[str]) -> list[dict[int, str]]:
-        """Per route, what its rule does to each layer it takes, by the layer's position."""
-        rows = [ParamRow(name, p.name, p.module_type, p.numel) for name, p in zip(layer_names, graph.params)]
-        layers = build_layers(rows, order, skip)
-        position = {layer.name: i for i, layer in enumerate(layers)}
-        return [
-            {position[layer.name]: route.leaf.on_layer(layer) for layer in route.layers}
-            for route in transform.routes(layers)
-        ]
-
-    new_layers = list(dict.fromkeys(names))
-    compiled_for, now = treatment([p.layer for p in graph.params]), treatment(names)
+    _, compiled_for = _treatment(transform, graph, [p.layer for p in graph.params], order, skip)
+    layers, now = _treatment(transform, graph, names, order, skip)
     changed = {
         i
         for before, after in zip(compiled_for, now)
         for i in before.keys() | after.keys()
         if before.get(i) != after.get(i)
     }
-    return [new_layers[i] for i in sorted(changed)]
+    return [layers[i].name for i in sorted(changed)]
+
+
+def acted_on(
+    transform: Transform | None, graph: CapturedGraph, order: Sequence[str], skip: Sequence[SkipEntry]
+) -> set[str]:
+    """The layers of ``graph`` that some route of ``transform`` takes."""
+    if transform is None:
+        return set()
+    layers, treatment = _treatment(transform, graph, [p.layer for p in graph.params], order, skip)
+    return {layers[i].name for taken in treatment for i in taken}
