@@ -334,7 +334,8 @@ class Backend:
         before = graph.params  # rebind replaces the list
         if graph.rebind(args) or self._coverage is None or self.current_scope() == "step":
             return  # step scope: the graph is a plain one, and the policy's state is per layer of the model
-        if not graph.reuses(args[graph.params[0].index]):
+        # a module not seen running it yet (by its first and last parameters: a weight every block takes can be either)
+        if not (graph.reuses(args[graph.params[0].index]) and graph.reuses(args[graph.params[-1].index])):
             self.registry.note_reuse(graph, [p.tensor() for p in before] + [args[p.index] for p in graph.params])
             order = self.registry.forward_order()
             # a parameter every call takes (a module all the blocks use): each call's backward gets a part of its
