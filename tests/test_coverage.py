@@ -583,16 +583,33 @@ class BranchyHead(nn.Module):
         return self.out(self.extra(h) if self.wide else h)
 
 
-def test_a_recompile_does_not_make_a_parameter_in_no_graph_look_split(compile_with):
-    """The second side's graph also holds the attention, with the same parameters; its segment bias
-    is still in none. The layer was refused as split between graphs (sweep 33)."""
+class GatedMix(nn.Module):
+    """A layer one of whose parameters the forward uses on some inputs only."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.mix, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.mix.gate = nn.Parameter(torch.ones(8))
+        self.wide = False
+
+    def forward(self, x):
+        h = self.mix(torch.tanh(self.fc(x)))
+        return self.out(h * self.mix.gate if self.wide else h)
+
+
+@pytest.mark.parametrize("sides", [(False, True, False), (True, False, True)], ids=["gate later", "gate first"])
+@pytest.mark.parametrize("make", [BranchyHead, GatedMix])
+def test_a_recompile_does_not_make_a_parameter_in_no_graph_look_split(make, sides, compile_with):
+    """The second side's graph also holds the layer; a parameter of it one side uses is in the
+    other side's graph, not in another part of the same forward. The layer was refused as split
+    between graphs (sweep 33), and the gate, taken up by a later graph, as run eagerly (sweep 35)."""
     torch.manual_seed(0)
-    model = BranchyHead()
+    model = make()
     expected = copy.deepcopy(model)
     compiled = compile_with(fxgrad.backend(fxgrad.clip_by_norm(1e-2), compiler="aot_eager"), model)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxgrad.CoverageWarning)  # the bias, and extra on the first side
-        for wide in (False, True, False):
+        warnings.simplefilter("ignore", fxgrad.CoverageWarning)  # the unused parameters
+        for wide in sides:
             model.wide = expected.wide = wide
             x = torch.randn(4, 8)
             for net in (model, expected):
@@ -623,8 +640,11 @@ def test_a_layer_with_a_parameter_run_eagerly_is_refused_at_the_step(compile_wit
 
 
 class SharedWeightBlock(BrokenBlock):
+    shared_first = False
+
     def forward(self, x, shared):
-        return self.fc2(eager_only(torch.tanh(self.fc1(x) + x @ shared)))
+        h = x @ shared + self.fc1(x) if self.shared_first else self.fc1(x) + x @ shared
+        return self.fc2(eager_only(torch.tanh(h)))
 
 
 class BlocksWithSharedWeight(nn.Module):
@@ -642,13 +662,29 @@ class BlocksWithSharedWeight(nn.Module):
         return x
 
 
-def test_a_weight_every_call_of_a_reused_graph_takes_is_refused(compile_with):
+@pytest.mark.parametrize("shared_first", [False, True], ids=["shared second", "shared first"])
+def test_a_weight_every_call_of_a_reused_graph_takes_is_refused(shared_first, compile_with, monkeypatch):
     """Each call's backward transformed its part of the shared weight's gradient and autograd
     summed the parts: a clip to t gave 1.5 t (sweep 34, Hugging Face DeBERTa), said only as
-    "the gradients are transformed"."""
+    "the gradients are transformed". As the graph's first input, the weight made each call look
+    like its own module's parameters replaced (sweep 35). Frozen, it is left alone."""
+    monkeypatch.setattr(SharedWeightBlock, "shared_first", shared_first)
     compiled = compile_with(fxgrad.backend(fxgrad.clip_by_norm(1e-2), compiler="aot_eager"), BlocksWithSharedWeight())
     with pytest.raises(fxgrad.CoverageError, match=r"each call takes the parameters of shared \(a module every"):
         compiled(torch.randn(4, 8)).sum().backward()
+    torch.manual_seed(0)
+    model = BlocksWithSharedWeight()
+    model.shared.requires_grad_(False)
+    expected = copy.deepcopy(model)
+    compiled = compile_with(fxgrad.backend(fxgrad.clip_by_norm(1e-2), compiler="aot_eager"), model)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxgrad.CoverageWarning)  # the reuse
+        compiled(x).sum().backward()
+    expected(x).sum().backward()
+    untouched = grads_of(expected)
+    ref.clip_per_layer(expected, 1e-2)
+    assert_grads_close(model, expected, untouched=untouched)
 
 
 class Recompute(torch.autograd.Function):

@@ -332,17 +332,24 @@ class Backend:
         """
         self.registry.rebound()
         before = graph.params  # rebind replaces the list
-        if graph.rebind(args) or self._coverage is None or self.current_scope() == "step":
-            return  # step scope: the graph is a plain one, and the policy's state is per layer of the model
+        if graph.rebind(args) or self._coverage is None or self.current_scope() == "step" or not graph.roots():
+            # step scope: the graph is a plain one, and the policy's state is per layer of the model; no model it
+            # was compiled for lives: the graph is the next one's (a trial's on a backbone that outlives it)
+            return
         # a module not seen running it yet (by its first and last parameters: a weight every block takes can be either)
         if not (graph.reuses(args[graph.params[0].index]) and graph.reuses(args[graph.params[-1].index])):
             self.registry.note_reuse(graph, [p.tensor() for p in before] + [args[p.index] for p in graph.params])
+            if self.registry.holds_as_compiled(graph, args):
+                return  # the model's own layers, a module of it replaced by a new one (model.net[3] = nn.Linear(...))
             order = self.registry.forward_order()
-            # a parameter every call takes (a module all the blocks use): each call's backward gets a part of its
-            # gradient, which the policy transforms apart, and autograd sums the parts
-            both = {p.layer for p in before if p.tensor() is args[p.index]} & acted_on(
-                self.transform, graph, order, self.skip
-            )
+            # a parameter every call takes (a module all the blocks of one model use): each call's backward gets
+            # a part of its gradient, which the policy transforms apart, and autograd sums the parts
+            both = set()
+            if self.registry.same_model(
+                graph, [args[p.index] for p in graph.params if p.tensor() is not args[p.index]]
+            ):
+                both = {p.layer for p in before if p.tensor() is args[p.index] and args[p.index].requires_grad}
+                both &= acted_on(self.transform, graph, order, self.skip)
             if both:
                 self._coverage.report(
                     f"fxgrad: Dynamo runs the graph compiled for layer {graph.params[0].layer!r} once per module that "

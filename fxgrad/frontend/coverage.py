@@ -74,7 +74,7 @@ def find_gaps(
     shared_layers: set[str],
     elsewhere: set[str],
     locate: Callable[[str], str],
-    params_elsewhere: set[str],
+    params_elsewhere: tuple[set[str], set[str]],
 ) -> list[Gap]:
     """Compare the routes over the whole model with the routes over one graph.
 
@@ -82,24 +82,26 @@ def find_gaps(
     index by index. ``shared_layers`` are layers with a parameter that another
     graph of the same forward also uses; ``elsewhere`` are layers that another
     compiled graph holds (per-layer transforms reach them there), and
-    ``params_elsewhere`` the parameters, by name; ``locate(layer_name)`` says
+    ``params_elsewhere`` the parameters, by name: those other graphs of the same
+    forward hold, and those any other graph holds; ``locate(layer_name)`` says
     where a missing layer is.
     """
+    same_forward, held = params_elsewhere
     gaps = []
     for want, have in zip(intended, actual):
         have_params = {layer.name: set(layer.params) for layer in have.layers}
         missing = [(layer, locate(layer.name)) for layer in want.layers if layer.name not in have_params]
         present = [layer for layer in want.layers if layer.name in have_params]
         absent = {layer.name: set(layer.params) - have_params[layer.name] for layer in present}
-        split = [  # the rest of the layer in another graph
+        split = [  # the rest of the layer in another graph of this forward (not one for other inputs)
             (layer, f"only {len(have_params[layer.name])} of its {len(layer.params)} parameters are in this graph")
             for layer in present
-            if absent[layer.name] & params_elsewhere
+            if absent[layer.name] & same_forward
         ]
         partial = [  # ... or in none: unused by the forward (XLNet's segment bias), or run eagerly
             (layer, f"{', '.join(sorted(absent[layer.name]))} {NO_GRAPH_PART}")
             for layer in present
-            if absent[layer.name] and not absent[layer.name] & params_elsewhere
+            if absent[layer.name] and not absent[layer.name] & held
         ]
         shared = [
             (layer, "a parameter of it is also used by another graph of the same forward")
@@ -397,12 +399,15 @@ class CoverageCheck:
             self.fatal.append(message)
         self.warn(message)
 
-    def unplaced_used(self) -> None:
+    def unplaced_used(self, held: Callable[[object], bool]) -> None:
         """At an optimizer's step: a parameter in no compiled graph, the rest of its layer in one, has a
-        gradient, so it ran eagerly rather than unused: the layer's rule saw part of its gradient."""
-        used = [
-            key for key, (ref, _) in self.unplaced.items() if (param := ref()) is not None and param.grad is not None
-        ]
+        gradient, so it ran eagerly rather than unused: the layer's rule saw part of its gradient.
+        ``held(param)``: whether a graph holds it now (one compiled since, for other inputs)."""
+        for key, (ref, _) in list(self.unplaced.items()):
+            param = ref()
+            if param is None or held(param):
+                del self.unplaced[key]
+        used = [key for key, (ref, _) in self.unplaced.items() if ref().grad is not None]
         if not used:
             return
         named = "\n".join(f"    {self.unplaced.pop(key)[1]}" for key in used)

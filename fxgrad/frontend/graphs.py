@@ -136,6 +136,29 @@ class GraphRegistry:
                     graph.reused_as[owner.layer] = compiled_for
         self._changed()
 
+    def same_model(self, graph: CapturedGraph, tensors: Sequence) -> bool:
+        """Whether a live model ``graph`` was compiled for holds ``tensors`` too (another block of it
+        runs the graph, in the same forward), not another model (the next trial's, on a shared backbone)."""
+        ids = {id(t) for t in tensors}
+        models = (ref() for key, ref in graph.root_refs.items() if key in graph.roots())
+        return any(ids <= {id(p) for p in model.parameters()} for model in models if model is not None)
+
+    def holds_as_compiled(self, graph: CapturedGraph, inputs: Sequence) -> bool:
+        """Whether the models ``graph`` was compiled for hold a call's parameters under the names it was
+        compiled with: the model's own, a module of it replaced by a new one, not another module's."""
+        for slot in graph.params:
+            root = self.roots.get(slot.root) if slot.root is not None else None
+            model = root.module() if root is not None else None
+            if model is None:
+                return False
+            name = slot.name.removeprefix(f"{root.prefix}.") if root.prefix else slot.name
+            try:
+                if model.get_parameter(name) is not inputs[slot.index]:
+                    return False
+            except AttributeError:
+                return False
+        return True
+
     def parameters_of(self, graph: CapturedGraph) -> dict[str, nn.Parameter]:
         """The parameters of the models ``graph`` belongs to, by name."""
         named: dict[str, nn.Parameter] = {}
@@ -210,10 +233,12 @@ class GraphRegistry:
         held = {p.layer for other in graphs if other is not graph for p in other.params}
         return held | {layer for other in graphs for _, _, layer in other.reused_layers()}
 
-    def params_elsewhere(self, graph: CapturedGraph) -> set[str]:
-        """The names of the parameters that other compiled graphs hold (a recompile's graph holds
-        those of the first; a parameter in none is unused, or runs eagerly)."""
-        return {p.name for other in self.training() if other is not graph for p in other.params}
+    def params_elsewhere(self, graph: CapturedGraph) -> tuple[set[str], set[str]]:
+        """The names of the parameters that other compiled graphs that compute gradients hold: those
+        of the same forward (a graph break), and all (a recompile for other inputs holds some too; a
+        parameter in none is unused, or runs eagerly)."""
+        same = {p.name for part in self.parts_of_same_forward(graph) if part.trains for p in part.params}
+        return same, same | {p.name for other in self.training() if other is not graph for p in other.params}
 
     def shared_layers(self, graph: CapturedGraph, has_grad: set[int]) -> set[str]:
         """Layers with a parameter that another graph of the same forward also uses."""

@@ -438,7 +438,7 @@ class StepCheck:
         if not self.in_graph():
             return
         if self.coverage.unplaced:
-            self.coverage.unplaced_used()
+            self.coverage.unplaced_used(self.registry.holds)
         seen = self._seen.setdefault(optimizer, _Seen())
         params = list(itertools.chain.from_iterable(group["params"] for group in optimizer.param_groups))
         if seen.generation != self.registry.generation or not same_objects(params, seen.params):

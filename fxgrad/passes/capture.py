@@ -154,7 +154,9 @@ class CapturedGraph:
         with; returns whether they replaced those in the same modules
         (``load_state_dict(assign=True)``) rather than belong to another module
         that Dynamo runs this graph for."""
-        replaced = self.params[0].held_by_owner(inputs[self.params[0].index])
+        # told by a slot that changed: one that did not (a weight every block takes) proves nothing
+        changed = next((p for p in self.params if p.tensor() is not inputs[p.index]), self.params[0])
+        replaced = changed.held_by_owner(inputs[changed.index])
         self.bind([inputs[p.index] for p in self.params])
         return replaced
 
