@@ -14,7 +14,7 @@ import pytest
 import reference as ref
 import torch
 import torch.nn as nn
-from parity import assert_grads_close, coverage_silent, one_process_group
+from parity import assert_grads_close, coverage_silent, grads_of, one_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxgrad
@@ -484,6 +484,31 @@ def test_each_model_on_a_shared_backbone_is_bound_to_its_own_head():
             assert clipped_like_eager(model, torch.compile(model, backend=backend), 0.05) < 1e-5
         del model
         gc.collect()
+
+
+def test_trials_on_a_shared_backbone_kept_alive_are_not_taken_for_blocks_of_one_model():
+    """The earlier trial's model still lives (kept as the best so far): Dynamo runs its graph for
+    the next, which takes the same backbone. That is not a weight every block of one model takes;
+    it was refused as one (sweep 36)."""
+    backbone = nn.Linear(8, 8)
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.05), compiler="aot_eager")
+    kept = []
+    for _ in range(2):
+        model = OnBackbone(backbone)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fxgrad.CoverageWarning)  # the reuse, said
+            compiled = torch.compile(model, backend=backend)
+            x = torch.randn(4, 8)
+            compiled(x).sum().backward()
+        expected = copy.deepcopy(model)
+        for p in expected.parameters():
+            p.grad = None
+        expected(x).sum().backward()
+        untouched = grads_of(expected)
+        ref.clip_per_layer(expected, 0.05)
+        assert_grads_close(model, expected, untouched=untouched)
+        model.zero_grad()
+        kept.append(model)
 
 
 def test_a_freed_models_graph_is_not_the_next_models_forward_through_a_shared_backbone():

@@ -345,9 +345,7 @@ class Backend:
             # a parameter every call takes (a module all the blocks of one model use): each call's backward gets
             # a part of its gradient, which the policy transforms apart, and autograd sums the parts
             both = set()
-            if self.registry.same_model(
-                graph, [args[p.index] for p in graph.params if p.tensor() is not args[p.index]]
-            ):
+            if self.registry.same_model(graph, [args[p.index] for p in before if p.tensor() is not args[p.index]]):
                 both = {p.layer for p in before if p.tensor() is args[p.index] and args[p.index].requires_grad}
                 both &= acted_on(self.transform, graph, order, self.skip)
             if both:
