@@ -11,7 +11,7 @@ import reference as ref
 import torch
 import torch.nn as nn
 from parity import assert_grads_close, coverage_silent, one_process_group
-from test_coverage import BrokenMLP
+from test_coverage import BrokenMLP, Discriminator
 
 import fxgrad
 from fxgrad import _compat
@@ -214,8 +214,6 @@ def test_a_step_skipped_after_backend_step_leaves_the_next_one_the_policy():
 def test_two_optimizers_after_backend_step_and_an_edit_apply_the_policy_once():
     """A GAN's two optimizers after one backend.step() and the user's own clip: the first
     optimizer's step took the mark, and the second took its model's edited gradients for new."""
-    from test_coverage import Discriminator
-
     G, D = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), Discriminator()
     backend = fxgrad.backend(
         fxgrad.rescale(alpha=0, multipliers={"0": 2.0, "hidden": 2.0}), compiler="aot_eager", scope="step"

@@ -341,34 +341,7 @@ class Backend:
             self.registry.note_reuse(graph, [p.tensor() for p in before] + [args[p.index] for p in graph.params])
             if self.registry.holds_as_compiled(graph, args):
                 return  # the model's own layers, a module of it replaced by a new one (model.net[3] = nn.Linear(...))
-            order = self.registry.forward_order()
-            # a parameter every call takes (a module all the blocks of one model use): each call's backward gets
-            # a part of its gradient, which the policy transforms apart, and autograd sums the parts
-            both = set()
-            if self.registry.same_model(graph, [args[p.index] for p in before if p.tensor() is not args[p.index]]):
-                both = {p.layer for p in before if p.tensor() is args[p.index] and args[p.index].requires_grad}
-                both &= acted_on(self.transform, graph, order, self.skip)
-            if both:
-                self._coverage.report(
-                    f"fxgrad: Dynamo runs the graph compiled for layer {graph.params[0].layer!r} once per module that "
-                    f"uses it in a forward, and each call takes the parameters of {listed(sorted(both), 5)} (a module "
-                    "every block uses, as DeBERTa's relative position embeddings): each call's backward transforms "
-                    f"its own part of their gradient and autograd sums the parts, so {self.transform!r} sees none of "
-                    "those layers' whole gradient. Use fxgrad.backend(..., scope='step'), or remove the graph break.",
-                    fatal=True,
-                )
-            names = [graph.reused.get(id(args[p.index]), (None, p.layer))[1] for p in graph.params]
-            wrong = misrouted(self.transform, graph, names, order, self.skip)
-            if wrong:
-                self._coverage.report(
-                    f"fxgrad: Dynamo runs the graph compiled for layer {graph.params[0].layer!r} with the "
-                    f"parameters of another module (a graph break inside a repeated block's forward), whose layers "
-                    f"{listed(wrong, 5)} the policy {self.transform!r} treats otherwise (a by_name key, a skip "
-                    "pattern, a multiplier or a target names them, or depends on their depth): the graph does to "
-                    "them what the policy does to the layers it was compiled for. Use fxgrad.backend(..., "
-                    "scope='step'), which treats every layer by its own name and depth, or remove the graph break.",
-                    fatal=self.transform.reduces_across_layers(),
-                )
+            self._check_reuse(graph, before, args)
         self._coverage.warn(
             f"fxgrad: Dynamo reuses the graph compiled for layer {graph.params[0].layer!r} with the parameters "
             "of another module (a graph break inside a repeated block's forward, or a second model of the "
@@ -378,6 +351,38 @@ class Backend:
             "both. Remove the graph break, give each model its own "
             "fxgrad.backend(...), or use scope='step'."
         )
+
+    def _check_reuse(self, graph: CapturedGraph, before: list, args: tuple) -> None:
+        """Another module runs ``graph`` (``before``: the slots of the call before, ``args`` this call's
+        inputs): report the layers the policy would transform wrongly so, and why."""
+        order = self.registry.forward_order()
+        # a parameter every call takes (a module all the blocks of one model use): each call's backward gets
+        # a part of its gradient, which the policy transforms apart, and autograd sums the parts
+        both = set()
+        if self.registry.same_model(graph, [args[p.index] for p in before if p.tensor() is not args[p.index]]):
+            both = {p.layer for p in before if p.tensor() is args[p.index] and args[p.index].requires_grad}
+            both &= acted_on(self.transform, graph, order, self.skip)
+        if both:
+            self._coverage.report(
+                f"fxgrad: Dynamo runs the graph compiled for layer {graph.params[0].layer!r} once per module that "
+                f"uses it in a forward, and each call takes the parameters of {listed(sorted(both), 5)} (a module "
+                "every block uses, as DeBERTa's relative position embeddings): each call's backward transforms "
+                f"its own part of their gradient and autograd sums the parts, so {self.transform!r} sees none of "
+                "those layers' whole gradient. Use fxgrad.backend(..., scope='step'), or remove the graph break.",
+                fatal=True,
+            )
+        names = [graph.reused.get(id(args[p.index]), (None, p.layer))[1] for p in graph.params]
+        wrong = misrouted(self.transform, graph, names, order, self.skip)
+        if wrong:
+            self._coverage.report(
+                f"fxgrad: Dynamo runs the graph compiled for layer {graph.params[0].layer!r} with the "
+                f"parameters of another module (a graph break inside a repeated block's forward), whose layers "
+                f"{listed(wrong, 5)} the policy {self.transform!r} treats otherwise (a by_name key, a skip "
+                "pattern, a multiplier or a target names them, or depends on their depth): the graph does to "
+                "them what the policy does to the layers it was compiled for. Use fxgrad.backend(..., "
+                "scope='step'), which treats every layer by its own name and depth, or remove the graph break.",
+                fatal=self.transform.reduces_across_layers(),
+            )
 
     def _bind_before_backward(self, graph: CapturedGraph, args: tuple, outputs: Any) -> None:
         """Bind ``graph`` to this call's parameters when its backward starts: the backward reads
