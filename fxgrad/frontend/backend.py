@@ -338,9 +338,9 @@ class Backend:
             return
         # a module not seen running it yet (by its first and last parameters: a weight every block takes can be either)
         if not (graph.reuses(args[graph.params[0].index]) and graph.reuses(args[graph.params[-1].index])):
-            self.registry.note_reuse(graph, [p.tensor() for p in before] + [args[p.index] for p in graph.params])
             if self.registry.holds_as_compiled(graph, args):
                 return  # the model's own layers, a module of it replaced by a new one (model.net[3] = nn.Linear(...))
+            self.registry.note_reuse(graph, [p.tensor() for p in before] + [args[p.index] for p in graph.params])
             self._check_reuse(graph, before, args)
         self._coverage.warn(
             f"fxgrad: Dynamo reuses the graph compiled for layer {graph.params[0].layer!r} with the parameters "

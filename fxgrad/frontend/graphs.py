@@ -122,10 +122,8 @@ class GraphRegistry:
         in the order of ``graph.params``): remember them and their layers, which the graph's
         rewrite transforms as the layers it was compiled for."""
         owners: dict = {}
-        for root in self.roots.values():
-            model = root.module()
-            if model is not None:
-                owners.update(parameter_owners(model, root.prefix))
+        for model, prefix in self._live(self.roots):
+            owners.update(parameter_owners(model, prefix))
         graph.reused = {key: (ref, layer) for key, ref, layer in graph.reused_layers()}  # drop freed ones
         for index, param in enumerate(params):  # slot by slot, one call's parameters after another's
             owner = owners.get(id(param))
@@ -140,8 +138,7 @@ class GraphRegistry:
         """Whether a live model ``graph`` was compiled for holds ``tensors`` too (another block of it
         runs the graph, in the same forward), not another model (the next trial's, on a shared backbone)."""
         ids = {id(t) for t in tensors}
-        models = (ref() for key, ref in graph.root_refs.items() if key in graph.roots())
-        return any(ids <= {id(p) for p in model.parameters()} for model in models if model is not None)
+        return any(ids <= {id(p) for p in model.parameters()} for model, _ in self._live(p.root for p in graph.params))
 
     def holds_as_compiled(self, graph: CapturedGraph, inputs: Sequence) -> bool:
         """Whether the models ``graph`` was compiled for hold a call's parameters under the names it was
@@ -162,12 +159,14 @@ class GraphRegistry:
     def parameters_of(self, graph: CapturedGraph) -> dict[str, nn.Parameter]:
         """The parameters of the models ``graph`` belongs to, by name."""
         named: dict[str, nn.Parameter] = {}
-        for key in dict.fromkeys(p.root for p in graph.params if p.root is not None):
-            root = self.roots[key]
-            model = root.module()
-            if model is not None:
-                named.update((owner.param, owner.tensor) for owner in parameter_owners(model, root.prefix).values())
+        for model, prefix in self._live(p.root for p in graph.params):
+            named.update((owner.param, owner.tensor) for owner in parameter_owners(model, prefix).values())
         return named
+
+    def _live(self, keys: Iterable[int | None]) -> list[tuple[nn.Module, str]]:
+        """The live models of ``roots`` under ``keys`` (each once), with their layer-name prefixes."""
+        roots = (self.roots[key] for key in dict.fromkeys(keys) if key is not None)
+        return [(model, root.prefix) for root in roots if (model := root.module()) is not None]
 
     def prefix(self, model: object) -> str:
         """The prefix of ``model``'s layer names (see :class:`Root`)."""
@@ -281,13 +280,10 @@ class GraphRegistry:
         no_grad = {p.name for p in graph.params if p.index not in has_grad}
         trainable: list[ParamRow] = []
         frozen: list[ParamRow] = []
-        for key in dict.fromkeys(p.root for p in graph.params if p.root is not None):
-            root = self.roots[key]
-            model = root.module()
-            if model is not None:
-                rows, frozen_rows = model_rows(model, root.prefix)
-                trainable += [row for row in rows if row.param not in no_grad]
-                frozen += frozen_rows
+        for model, prefix in self._live(p.root for p in graph.params):
+            rows, frozen_rows = model_rows(model, prefix)
+            trainable += [row for row in rows if row.param not in no_grad]
+            frozen += frozen_rows
         trainable += [
             ParamRow(p.layer, p.name, p.module_type, p.numel)
             for p in graph.params
