@@ -43,7 +43,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(__file__))
 
 from models import MODELS, loss_of  # noqa: E402
-from policies import OPTIMIZERS, POLICIES, foldable, layers_of  # noqa: E402
+from policies import OPTIMIZERS, POLICIES, fold_scopes, layers_of  # noqa: E402
 
 import fxgrad  # noqa: E402
 
@@ -56,7 +56,7 @@ def worker(rank: int, world: int, port: int, options: argparse.Namespace) -> Non
     base, args, kwargs = MODELS[options.model](options.scale)
     transform, make_eager = POLICIES[options.policy]
     names = ["none", "none again", "eager"] + (["exact eager", "exact"] if options.fsdp2 else ["local", "exact"])
-    names += ["fold"] if foldable(transform, options.optimizer) and not options.fsdp2 else []
+    names += ["fold"] if "step" in fold_scopes(transform, options.optimizer) and not options.fsdp2 else []
     variants = {}
     for name in names:
         model = copy.deepcopy(base)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import run  # noqa: E402
 from models import MODELS  # noqa: E402
-from policies import OPTIMIZERS, POLICIES, foldable  # noqa: E402
+from policies import OPTIMIZERS, POLICIES, fold_scopes  # noqa: E402
 
 import fxgrad  # noqa: E402
 
@@ -86,7 +86,9 @@ def main() -> None:
     if options.variant:
         print(peak(options.model, options.policy, options.variant, options.device, options.steps, options.scale))
         return
-    variants = [v for v in VARIANTS if v != "fold" or foldable(POLICIES[options.policy][0], options.optimizer)]
+    variants = [
+        v for v in VARIANTS if v != "fold" or "step" in fold_scopes(POLICIES[options.policy][0], options.optimizer)
+    ]
     peaks = {}
     for start in range(0, len(variants), options.jobs):  # each variant's peak is its own process's
         batch = variants[start : start + options.jobs]

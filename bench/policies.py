@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import fxgrad
+from fxgrad.frontend.fold import per_layer
 
 NORM_LAYERS = (nn.LayerNorm, nn.BatchNorm2d)
 
@@ -156,11 +157,15 @@ OPTIMIZERS = {
 }
 
 
-def foldable(transform: fxgrad.Transform, optimizer_name: str) -> bool:
-    """Whether ``backend.fold`` moves the policy's factor into the optimizer ``optimizer_name``."""
+def fold_scopes(transform: fxgrad.Transform, optimizer_name: str) -> tuple[str, ...]:
+    """The scopes in which ``backend.fold`` folds the policy into the optimizer ``optimizer_name``:
+    a single global factor into a fused optimizer's ``grad_scale`` (both scopes), other factors
+    into the update the step program runs (step scope)."""
     leaves = transform.leaves()
-    return (
-        optimizer_name.endswith("-fused")
-        and all(leaf.folds is not None for leaf in leaves)
-        and any(leaf.folds == "global" for leaf in leaves)
-    )
+    if not optimizer_name.endswith("-fused"):
+        return ()
+    if per_layer(transform):
+        return ("step",)
+    if all(leaf.folds is not None for leaf in leaves) and any(leaf.folds == "global" for leaf in leaves):
+        return ("step", "graph")
+    return ()

@@ -13,9 +13,10 @@ compilation excluded:
   ``backward()`` (``clip_grad_norm_(foreach=True)``, per-layer loops);
 * ``hooks rescale`` (with the rescale policy): module backward hooks under
   compiled autograd, as the rescaling article writes it;
-* ``fxgrad fold <policy>`` (with ``--optimizer adamw-fused``, for policies of one
-  global factor): step scope with ``backend.fold(optimizer)``, the factor applied
-  by the fused update; ``fxgrad fold <policy> graph``: the same in graph scope (the
+* ``fxgrad fold <policy>`` (with ``--optimizer adamw-fused``): step scope with
+  ``backend.fold(optimizer)``; a policy of one global factor leaves it to the fused
+  update's ``grad_scale``, any other runs in one step program with the update;
+  ``fxgrad fold <policy> graph`` (one global factor): the same in graph scope (the
   backward reads the norms and returns the gradients unscaled).
 
 Each variant's gradients after its first step (policy applied) must equal those of the
@@ -55,7 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from models import MODELS, loss_of  # noqa: E402
-from policies import OPTIMIZERS, POLICIES, HookRescaled, foldable, layers_of  # noqa: E402
+from policies import OPTIMIZERS, POLICIES, HookRescaled, fold_scopes, layers_of  # noqa: E402
 
 import fxgrad  # noqa: E402
 from fxgrad import _compat  # noqa: E402
@@ -153,10 +154,8 @@ class Variant:
 
     def _keep_grads(self) -> None:
         applied = self.grads() if self.grads is not None else {}
-        self.first_grads = [
-            None if p.grad is None else applied.get(name, p.grad).detach().clone()
-            for name, p in self.model.named_parameters()
-        ]
+        grads = [applied.get(name, p.grad) for name, p in self.model.named_parameters()]
+        self.first_grads = [None if g is None else g.detach().clone() for g in grads]
 
     def assert_same_gradients(self, reference: Variant) -> None:
         """This variant's first-step gradients equal ``reference``'s, per parameter, to
@@ -209,9 +208,8 @@ def build_variants(model_name, policies, scale, compiler, device="cpu", twins=No
         eager = make_eager()
         reference = f"eager {policy}"
         for suffix, options in settings:
-            for scope, fold in [("graph", False), ("step", False)] + [
-                (scope, True) for scope in ("step", "graph") if foldable(transform, Variant.optimizer_name)
-            ]:
+            folds = fold_scopes(transform, Variant.optimizer_name)
+            for scope, fold in [("graph", False), ("step", False)] + [(scope, True) for scope in folds]:
                 m = copy_of()
                 backend = fxgrad.backend(transform, compiler=compiler, scope=scope)
                 name = "fxgrad " + ("fold " if fold else "step " if scope == "step" else "") + policy

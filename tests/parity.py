@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import math
@@ -122,6 +123,26 @@ def no_host_sync():
         for method in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"):
             stack.enter_context(mock.patch.object(torch.Tensor, method, sync))
         yield
+
+
+@contextlib.contextmanager
+def fused_calls():
+    """Count the calls of torch's fused optimizer kernels that update some parameter: none while
+    the step program runs the update (``backend.fold`` with per-layer factors)."""
+    calls = collections.Counter()
+    originals = {name: getattr(torch, name) for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_")}
+
+    def counting(name):
+        def call(params, *args, **kwargs):
+            calls[name] += bool(params)
+            return originals[name](params, *args, **kwargs)
+
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for name in originals:
+            stack.enter_context(mock.patch.object(torch, name, counting(name)))
+        yield calls
 
 
 def batches(steps, spikes=()):

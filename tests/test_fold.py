@@ -9,7 +9,7 @@ import pytest
 import reference as ref
 import torch
 import torch.nn as nn
-from parity import no_host_sync
+from parity import fused_calls, no_host_sync
 
 import fxgrad
 from fxgrad.core.rule import Leaf
@@ -186,21 +186,31 @@ def test_a_grad_scaler_the_backend_does_not_know_is_reported_for_a_fused_optimiz
         scaler.step(optimizer)
 
 
-def test_optimizer_state_dict_round_trip_keeps_folding():
+@pytest.mark.parametrize(
+    "policy, reference, program_updates",
+    [
+        (fxgrad.clip_by_global_norm(0.05), lambda m: ref.clip_global(m, 0.05), False),
+        (fxgrad.clip_by_norm(0.02), lambda m: ref.clip_per_layer(m, 0.02), True),
+    ],
+    ids=["grad_scale", "step-program-update"],
+)
+def test_optimizer_state_dict_round_trip_keeps_folding(policy, reference, program_updates):
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
-    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope="step")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
     backend.fold(optimizer)
     train(model, optimizer, 10, backend=backend)
     resumed = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
     resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     backend.fold(resumed)
-    train(model, resumed, 10, backend=backend)
+    with fused_calls() as calls:
+        train(model, resumed, 10, backend=backend)
+    assert bool(calls) != program_updates
     expected_optimizer = torch.optim.Adam(expected.parameters(), lr=1e-2, fused=True)
-    train(expected, expected_optimizer, 10, reference=lambda m: ref.clip_global(m, 0.05))
-    train(expected, expected_optimizer, 10, reference=lambda m: ref.clip_global(m, 0.05))
+    train(expected, expected_optimizer, 10, reference=reference)
+    train(expected, expected_optimizer, 10, reference=reference)
     assert_same_weights(model, expected)
 
 
@@ -238,17 +248,18 @@ def test_grad_holds_the_gradient_before_the_factor_until_the_step():
     "make, policy, scope, message",
     [
         (lambda p: torch.optim.AdamW(p, foreach=True), fxgrad.clip_by_global_norm(1.0), "step", r"fused=True"),
-        (lambda p: torch.optim.AdamW(p, fused=True), fxgrad.clip_by_norm(1.0), "step", r"clip_by_norm"),
+        (lambda p: torch.optim.AdamW(p, fused=True), fxgrad.clip_by_norm(1.0), "graph", r"clip_by_norm"),
+        (lambda p: torch.optim.AdamW(p, fused=True, amsgrad=True), fxgrad.clip_by_norm(1.0), "step", r"amsgrad"),
+        (lambda p: torch.optim.SGD(p, lr=0.1), fxgrad.clip_by_norm(1.0), "step", r"fused=True"),
         *[
-            (lambda p: torch.optim.AdamW(p, fused=True), routed, scope, r"under by_type/by_name")
+            (lambda p: torch.optim.AdamW(p, fused=True), routed, "graph", r"under by_type/by_name")
             for routed in (
                 fxgrad.by_type({nn.Linear: fxgrad.clip_by_global_norm(1e-2)}),  # not the LayerNorm
                 fxgrad.by_name({"0": fxgrad.clip_by_global_norm(1.0)}, default=fxgrad.clip_by_global_norm(1e-2)),
             )
-            for scope in SCOPES
         ],
     ],
-    ids=["foreach", "per-layer", *[f"{kind}-{scope}" for kind in ("by_type", "by_name") for scope in SCOPES]],
+    ids=["foreach", "per-layer-graph", "amsgrad", "unfused-sgd", "by_type-graph", "by_name-graph"],
 )
 def test_combinations_that_do_not_fold_warn_once_and_stay_exact(make, policy, scope, message):
     torch.manual_seed(0)
@@ -575,7 +586,7 @@ def test_an_optimizer_that_replaces_a_folded_one_is_folded_again(scope):
 
 def test_a_fold_that_falls_back_leaves_the_optimizer_to_another_backend():
     optimizer = torch.optim.AdamW(mlp().parameters(), fused=True)
-    per_layer = fxgrad.backend(fxgrad.clip_by_norm(0.05), compiler="aot_eager", scope="step")
+    per_layer = fxgrad.backend(fxgrad.clip_by_norm(0.05), compiler="aot_eager", scope="graph")
     with pytest.warns(RuntimeWarning, match=r"fold\(AdamW\)"):
         per_layer.fold(optimizer)
     assert per_layer.folded_into() == []

@@ -34,6 +34,7 @@ from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry, validate_skip
 from fxgrad.core.rule import Transform, listed
 from fxgrad.core.warn import warn
 from fxgrad.frontend import fold as folding
+from fxgrad.frontend import update_program
 from fxgrad.frontend.coverage import (
     CoverageCheck,
     CoverageError,
@@ -62,6 +63,7 @@ from fxgrad.frontend.step_check import (
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
 from fxgrad.frontend.update_factors import UpdateFactors
+from fxgrad.frontend.update_program import UpdateFolds
 from fxgrad.frontend.warm_start import StandIn
 from fxgrad.frontend.watch import ForwardWatch, GradWrites, OncePerPass, WatchedCall, track_wrapper
 from fxgrad.passes.capture import CapturedGraph, Root, capture, live_root
@@ -178,6 +180,7 @@ class Backend:
             self._our_ids,
             lambda: self.current_scope() == "graph",
         )
+        self._updates = UpdateFolds()  # optimizers whose update the step program runs (see fold())
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._apart = ModelsApart()  # ... of optimizers that step different models of this backend
         self._told_scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -631,12 +634,15 @@ class Backend:
         (``ValueError``: each backward had its own factor, which one ``grad_scale``
         cannot hold; accumulation and graph breaks need ``scope="step"``).
 
-        Other combinations keep the scaling pass, after one ``RuntimeWarning`` saying
-        why; an optimizer other than those three raises. Several optimizers over one model
-        (weights and biases apart, say) must all be folded: the step of one that is not
-        raises ``ValueError``. So must one that replaces a folded optimizer in graph scope
-        (the graphs compiled folded keep leaving the factor to the update). See
-        :mod:`fxgrad.frontend.fold`.
+        In step scope any other policy folds too, with the same optimizers (and neither
+        ``amsgrad`` nor ``maximize``): the step program runs their update on the gradients it
+        has just transformed, and their own ``step()`` then updates nothing
+        (:mod:`fxgrad.frontend.update_program`). Other combinations keep the scaling pass,
+        after one ``RuntimeWarning`` saying why; an optimizer other than those three raises.
+        Several optimizers over one model (weights and biases apart, say) must all be folded:
+        the step of one that is not raises ``ValueError``. So must one that replaces a folded
+        optimizer in graph scope (the graphs compiled folded keep leaving the factor to the
+        update). See :mod:`fxgrad.frontend.fold`.
 
             >>> import torch, fxgrad
             >>> model = torch.nn.Linear(4, 4)
@@ -648,6 +654,16 @@ class Backend:
         # graphs compiled before the first fold apply the factor themselves; after it, they leave it
         compiled = any(graph.params for graph in self.registry.graphs) and not self._folds.graphs_leave_factor
         why = folding.fallback(optimizer, self.transform, scope, compiled)
+        if why is not None and scope == "step" and folding.per_layer(self.transform):
+            why = update_program.why_not(optimizer)
+            if why is None and self._update_factors is not None:
+                why = "the policy also scales updates (apply_to='update'), which the step program does not run"
+            if why is None:
+                folding.claim(optimizer, self)
+                self._updates.add(optimizer)
+                self._step.arm()
+                return
+            why += ": the step program applies the per-layer factors, and the optimizer steps as usual"
         if why is not None:  # this backend keeps its scaling pass, and leaves the optimizer to others
             warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning)
             return
@@ -657,8 +673,13 @@ class Backend:
             self._step.arm()
 
     def folded_into(self) -> list[torch.optim.Optimizer]:
-        """The optimizers :meth:`fold` folds into (while they live)."""
-        return self._folds.optimizers()
+        """The optimizers :meth:`fold` folds into (while they live): those whose ``grad_scale``
+        carries the global factor, then those whose update the step program runs."""
+        return self._folds.optimizers() + self._updates.optimizers()
+
+    def runs_update_of(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the step program runs ``optimizer``'s update (:meth:`fold` with per-layer factors)."""
+        return optimizer in self._updates
 
     def scaled_grads(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """``model``'s gradients as the optimizer applies them (no sync): while :meth:`fold` is on,
@@ -881,11 +902,17 @@ class Backend:
             self._nesting = [weakref.ref(model) for model, _ in pairs], order
         return [pairs[i] for i in order]
 
-    def _apply_to_grads(self, models: list[tuple[nn.Module, str]], scaler: Any, params: list | None = None) -> None:
+    def _apply_to_grads(
+        self,
+        models: list[tuple[nn.Module, str]],
+        scaler: Any,
+        params: list | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         self._drop_kept()
         self._policy_runs.ran()
         self._step_runs += 1
-        apply_to_grads(
+        ran = apply_to_grads(
             self.transform,
             models,
             self.skip,
@@ -895,7 +922,10 @@ class Backend:
             self._programs,
             params,
             fold=bool(self._folds),
+            update=functools.partial(self._updates.update, optimizer),
         )
+        if ran is not None:
+            self._updates.ran(optimizer)
 
     # ------------------------------------------------------------ state
 

@@ -95,11 +95,17 @@ class Report:
         rows += [(r.name, r.type_name, str(r.numel), r.action) for r in self.layers]
         widths = [max(len(row[i]) for row in rows) for i in range(3)]
         lines = [f"policy: {self.backend.transform!r}"]
-        folded = sorted({type(optimizer).__name__ for optimizer in self.backend.folded_into()})
-        if folded:
+        optimizers = self.backend.folded_into()
+        scaled = sorted({type(o).__name__ for o in optimizers if not self.backend.runs_update_of(o)})
+        if scaled:
             lines.append(
-                f"folded into {', '.join(folded)}: its update applies the global factor (stats: folded_factor); "
+                f"folded into {', '.join(scaled)}: its update applies the global factor (stats: folded_factor); "
                 ".grad holds the gradient before it until the step (backend.scaled_grads gives it after)"
+            )
+        for name in sorted({type(o).__name__ for o in optimizers if self.backend.runs_update_of(o)}):
+            lines.append(
+                f"folded into {name}: the step program runs {name}'s update on the gradients the policy "
+                "transforms (.grad holds them after the step, as torch's fused update leaves them)"
             )
         lines += [
             f"{name:<{widths[0]}}  {kind:<{widths[1]}}  {numel:>{widths[2]}}  {action}"

@@ -20,8 +20,10 @@ While folded, ``.grad`` holds the gradient *before* the factor between
 ``backward()`` and ``optimizer.step()`` (the fused update writes the
 multiplied gradient back to ``.grad``); ``backend.stats()["folded_factor"]``
 is the factor and :meth:`fxgrad.Backend.scaled_grads` the gradients with it,
-with no sync. Every other combination runs the policy as before, after one
-warning that says why (docs/performance.md, "The optimizer fold").
+with no sync. In step scope a policy with other factors folds another way: the step
+program runs the optimizer's update (:mod:`fxgrad.frontend.update_program`). Every other
+combination runs the policy as before, after one warning that says why
+(docs/performance.md, "The optimizer fold").
 
 :class:`Folds` keeps one backend's folded optimizers: the factors each update has
 applied, the checks before each step, and the hand-over of the factor to ``grad_scale``.
@@ -108,22 +110,40 @@ def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scop
             f"{type(optimizer).__name__} without fused=True has no grad_scale input: "
             f"{applies} the factor (pass fused=True to fold it)"
         )
-    leaves = transform.leaves() if transform is not None else []
-    folding = [leaf for leaf in leaves if leaf.folds == "global"]
-    unrouted = [leaf for leaf in transform.unrouted_leaves() if leaf.folds == "global"] if folding else []
-    if len(unrouted) < len(folding):  # by identity: two equal rules can sit at both levels
-        routed = [leaf for leaf in folding if not any(leaf is other for other in unrouted)] or folding
+    routed, per_layer = _own_factors(transform)
+    if routed:
         return (
             f"{', '.join(map(repr, routed))} under by_type/by_name: each scales only the layers routed to it, "
             f"and grad_scale scales every gradient: {applies} the factors"
         )
-    per_layer = [leaf for leaf in leaves if leaf.folds is None and leaf.apply_to == "grad"]
+    leaves = transform.leaves() if transform is not None else []
     if per_layer or not any(leaf.folds == "global" for leaf in leaves):
         if not per_layer:
             return "only a single global factor folds into grad_scale, and the policy has none: nothing to fold"
         shown = ", ".join(repr(leaf) for leaf in per_layer)
         return f"only a single global factor folds into grad_scale, and the policy has {shown}: {applies} the factors"
     return None
+
+
+def per_layer(transform: Transform | None) -> bool:
+    """Whether ``transform`` scales some gradients by factors of their own (per layer, per
+    element, or a global clip over the layers routed to it): what ``grad_scale`` cannot carry,
+    and the step program folds into the update (:mod:`fxgrad.frontend.update_program`)."""
+    return any(_own_factors(transform))
+
+
+def _own_factors(transform: Transform | None) -> tuple[list[Transform], list[Transform]]:
+    """The leaves of ``transform`` whose factors ``grad_scale`` cannot carry: global ones under
+    ``by_type``/``by_name``, and the per-layer or per-element ones."""
+    if transform is None:
+        return [], []
+    leaves = transform.leaves()
+    folding = [leaf for leaf in leaves if leaf.folds == "global"]
+    unrouted = [leaf for leaf in transform.unrouted_leaves() if leaf.folds == "global"] if folding else []
+    routed = []
+    if len(unrouted) < len(folding):  # by identity: two equal rules can sit at both levels
+        routed = [leaf for leaf in folding if not any(leaf is other for other in unrouted)] or folding
+    return routed, [leaf for leaf in leaves if leaf.folds is None and leaf.apply_to == "grad"]
 
 
 def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> str | None:

@@ -48,9 +48,11 @@ from fxgrad import _compat
 from fxgrad.core.layers import GRAD, Owner, not_none
 from fxgrad.core.rule import Route
 from fxgrad.core.warn import warn
+from fxgrad.frontend import update_program
 from fxgrad.frontend.rewrite import record_policy
+from fxgrad.frontend.update_program import Update
 from fxgrad.passes.graphtext import render_inserted
-from fxgrad.passes.record import gc_paused
+from fxgrad.passes.record import GraphRecorder, gc_paused
 from fxgrad.runtime import norm_math
 from fxgrad.runtime.state import Group, StateStore, group_label, viewed_group
 
@@ -67,6 +69,7 @@ class StepPrograms:
         self._misses: dict[tuple, int] = {}  # steps run eagerly past the limit, by variant and layout
         self._broken: str | None = None  # why building failed; then every step runs eagerly
         self._told_eager: set[str] = set()  # the reasons some gradients run eagerly that were given
+        self._told_sharded_update = False  # that an update was left to the optimizer over FSDP2's gradients
         # the parameters programs read weights of, by name (kept with the owners they came from)
         self._weights: tuple[Sequence[Owner] | None, dict[str, torch.Tensor]] = (None, {})
         self._last: tuple[Any, Callable[[Sequence[torch.Tensor]], bool], _Built | None] = (
@@ -108,11 +111,13 @@ class StepPrograms:
         store: StateStore,
         scaler: Any,
         fold: bool = False,
+        update: Update | None = None,
     ) -> bool:
         """Apply ``routes`` to the ``.grad`` of the parameters of ``owners`` in place, grouped by
         layer as the routes expect (``fold``: all but the global factor, see
-        :func:`~fxgrad.runtime.executor.run_policy`); ``False`` if it cannot (the caller then
-        runs the rules eagerly)."""
+        :func:`~fxgrad.runtime.executor.run_policy`), then the optimizer's ``update`` if given
+        (:mod:`fxgrad.frontend.update_program`; not over DTensor gradients); ``False`` if it
+        cannot (the caller then runs the rules eagerly, and leaves the update to the optimizer)."""
         if self._broken is not None:
             return False
         grads = list(map(OWNER_GRAD, owners))
@@ -126,7 +131,16 @@ class StepPrograms:
                 )
                 return False
             grads = [g.to_local() for g in grads]
-        variant = self._routing(routes, owners), group, scaler is not None, fold
+            if update is not None and not self._told_sharded_update:
+                self._told_sharded_update = True
+                warn(
+                    "fxgrad: fold: the step program runs no update over FSDP2's sharded gradients; the policy "
+                    "runs, then the optimizer's own step, as unfolded",
+                    RuntimeWarning,
+                )
+            update = None
+        variant = self._routing(routes, owners), group, scaler is not None, fold, update and update.key
+        extra = update.tensors if update is not None else []
         if self._weights[0] is not owners:  # what weight-reading rules read, by name
             self._weights = owners, {o.param: o.tensor for o in owners}
 
@@ -139,7 +153,7 @@ class StepPrograms:
                 )
                 return None
             try:
-                return self._build(routes, owners, grads, group, store, scaler, fold)
+                return self._build(routes, owners, grads, group, store, scaler, fold, update)
             except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
                 self._broken = f"{type(error).__name__}: {error}"
                 warn(
@@ -149,25 +163,26 @@ class StepPrograms:
                 )
                 return None
 
-        program = self._program(variant, grads, build)
+        program = self._program(variant, [*grads, *extra], build)
         if program is None:
             return False
         with torch.no_grad():
-            program(*grads)
+            program(*grads, *extra)
         return True
 
     def _program(
-        self, variant: tuple, grads: Sequence[torch.Tensor], build: Callable[[], Callable[..., Any] | None]
+        self, variant: tuple, tensors: Sequence[torch.Tensor], build: Callable[[], Callable[..., Any] | None]
     ) -> Callable[..., Any] | None:
-        """The program for ``variant`` (routing, process group, scaler, fold) over ``grads``'
-        layout, built by ``build()`` the first time (None: it was not). The last step's is
-        checked in C++; the key of the layout, a tuple per gradient, takes 40 us of Python to
-        build and hash for the deep MLP's 98 gradients."""
+        """The program for ``variant`` (routing, process group, scaler, fold, update) over the
+        layout of ``tensors`` (the gradients, then the update's inputs), built by ``build()``
+        the first time (None: it was not). The last step's is checked in C++; the key of the
+        layout, a tuple per tensor, takes 40 us of Python to build and hash for the deep MLP's
+        98 gradients."""
         last_variant, matches, built = self._last
-        if last_variant == variant and matches(grads):
+        if last_variant == variant and matches(tensors):
             built.uses += 1
             return built.program
-        key = variant, _layout(grads)
+        key = variant, _layout(tensors)
         built = self._programs.get(key)
         if built is None:
             if not self._room_for(key):
@@ -177,7 +192,7 @@ class StepPrograms:
                 return None
             built = self._programs[key] = _Built(program, self._misses.pop(key, 0))
         built.uses += 1
-        self._last = variant, _compat.layout_check(grads), built
+        self._last = variant, _compat.layout_check(tensors), built
         return built.program
 
     def _room_for(self, key: tuple) -> bool:
@@ -232,34 +247,37 @@ class StepPrograms:
         store: StateStore,
         scaler: Any,
         fold: bool,
+        update: Update | None,
     ) -> Callable[..., Any]:
         """The program over ``grads`` (``owners``' gradients, or their local shards over the
-        process group named ``group``)."""
+        process group named ``group``), and ``update``'s inputs after them."""
         gm, inputs = _gradient_graph(owners, grads)
         lookup = lambda names: [self._weights[1][name] for name in names]  # noqa: E731
         with gc_paused(), norm_math.local_shards(group) if group is not None else contextlib.nullcontext():
             new = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold, per_step=True)
+            writes = _record_update(gm, inputs, new, update) if update is not None else []
         if self.keep_code:
             names = {node: o.param for o, node in zip(owners, gm.graph.find_nodes(op="placeholder"))}
             pairs = (pair for layer, nodes in inputs.items() for pair in zip(nodes, new[layer]))
             results = {names[node]: result for node, result in pairs}
             self.inserted = render_inserted(gm, names, results, group_label)
         output = gm.graph.output_node()
+        if update is None:
+            writes = [pair for layer, nodes in inputs.items() for pair in zip(nodes, new[layer])]
         with gm.graph.inserting_before(output):
-            for layer, nodes in inputs.items():
-                for node, result in zip(nodes, new[layer]):
-                    if result is not node:
-                        gm.graph.call_function(torch.ops.aten.copy_.default, (node, result))
+            for node, result in writes:
+                if result is not node:
+                    gm.graph.call_function(torch.ops.aten.copy_.default, (node, result))
         groups, saved = _state_as_inputs(gm.graph)
         # Before Inductor too: its FX graph cache key reads the code of the last recompile
         # (GraphModule.__reduce__ copies its state before generating the code again).
         gm.recompile()
-        compiled = _compat.inductor_compile_program(gm) if self.compiler == "inductor" else gm
+        compiled = _compat.inductor_compile_program(gm, update is not None) if self.compiler == "inductor" else gm
         if not groups:
             return compiled
 
-        def program(*grads: torch.Tensor) -> None:
-            compiled(*grads, *[group.view() for group in groups])
+        def program(*tensors: torch.Tensor) -> None:
+            compiled(*tensors, *[group.view() for group in groups])
             for group in saved:
                 group.saved()
 
@@ -305,6 +323,32 @@ def _gradient_graph(
         inputs.setdefault(owner.layer, []).append(node)
     graph.output(())
     return torch.fx.GraphModule(nn.Module(), graph), inputs
+
+
+def _record_update(
+    gm: torch.fx.GraphModule,
+    inputs: dict[str, list[torch.fx.Node]],
+    new: dict[str, list[torch.fx.Node]],
+    update: Update,
+) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Record ``update`` over the policy's results ``new`` for the gradient nodes ``inputs``,
+    taking its tensors as inputs after the gradients; the pairs ``(input, result)`` to write."""
+    graph = gm.graph
+    grads = list(graph.find_nodes(op="placeholder"))  # in the order of the owners, as update's tensors
+    result_of = {node: result for layer, nodes in inputs.items() for node, result in zip(nodes, new[layer])}
+    results = [result_of[node] for node in grads]
+    fake_mode = grads[0].meta["val"].fake_mode
+    with graph.inserting_before(next(node for node in graph.nodes if node.op != "placeholder")):
+        extra = [graph.placeholder(f"update_{i}") for i in range(len(update.tensors))]
+    for node, tensor in zip(extra, update.tensors):
+        node.meta["val"] = fake_mode.from_tensor(tensor.detach())
+    recorder = GraphRecorder(gm, fake_mode, _compat.inductor_decompositions())
+    with recorder.recording():
+        recorder.label = "update"
+        fakes = [recorder.bind(node) for node in [*grads, *results, *extra]]
+        n = len(grads)
+        pairs = update_program.record(update.key, recorder.replay, fakes[:n], fakes[n : 2 * n], fakes[2 * n :])
+    return [(recorder.node(target), recorder.node(value)) for target, value in pairs]
 
 
 def _state_as_inputs(graph: torch.fx.Graph) -> tuple[list[Group], list[Group]]:

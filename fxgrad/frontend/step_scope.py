@@ -56,6 +56,7 @@ from fxgrad.core.warn import warn
 from fxgrad.frontend.coverage import CoverageError, CoverageWarning
 from fxgrad.frontend.step_check import optimizer_pre_hook, remove_optimizer_hooks, stepped_ids
 from fxgrad.frontend.step_program import StepPrograms
+from fxgrad.frontend.update_program import Update
 from fxgrad.runtime.executor import run_policy
 from fxgrad.runtime.state import StateStore
 
@@ -94,14 +95,17 @@ def apply_to_grads(
     programs: StepPrograms | None = None,
     params: Sequence[nn.Parameter] | None = None,
     fold: bool = False,
-) -> None:
+    update: Callable[[Sequence[Owner]], Update | None] = lambda owners: None,
+) -> Update | None:
     """Apply ``transform`` to the ``.grad`` of ``models``' parameters, in place.
 
     ``models`` pairs each model with its layer-name prefix; ``order`` is the
     forward order of layers (for depth), named-module order when empty. With
     ``programs`` the rules run as a compiled program where they can, else eagerly;
     ``params``, the models' parameters if the caller has them, saves walking the models again.
-    ``fold`` leaves the policy's global factor to the optimizer (:meth:`fxgrad.Backend.fold`).
+    ``fold`` leaves the policy's global factor to the optimizer (:meth:`fxgrad.Backend.fold`);
+    ``update(owners)`` gives the optimizer's update for the program to run after the policy
+    (:mod:`fxgrad.frontend.update_program`), which is returned if it ran.
     """
     if programs is None:
         with_grad, routes = step_routes(transform, models, skip, order)
@@ -109,8 +113,12 @@ def apply_to_grads(
         compute = lambda: step_routes(transform, models, skip, order)  # noqa: E731
         params = [p for model, _ in models for p in model.parameters()] if params is None else params
         with_grad, routes = programs.routes(models, order, compute, params)
-    if not with_grad or (programs is not None and programs.run(routes, with_grad, store, scaler, fold)):
-        return
+    if not with_grad:
+        return None
+    if programs is not None:
+        folded = update(with_grad)
+        if programs.run(routes, with_grad, store, scaler, fold, folded):
+            return folded
     params: dict[str, list[nn.Parameter]] = {}
     for owner in with_grad:
         params.setdefault(owner.layer, []).append(owner.tensor)
@@ -124,6 +132,7 @@ def apply_to_grads(
             for param, grad in zip(ps, grads[layer]):
                 if grad is not param.grad:
                     param.grad.copy_(_placed_like(grad, param.grad))
+    return None
 
 
 def _placed_like(value: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -231,8 +240,9 @@ NOT_WRITTEN = (
 class StepScope:
     """Runs a backend's policy on ``.grad``, once per set of gradients.
 
-    ``models()`` lists ``(model, layer prefix)`` pairs; ``run(models, scaler, params)``
-    applies the policy (``params``: the models' parameters, walked once per step).
+    ``models()`` lists ``(model, layer prefix)`` pairs; ``run(models, scaler, params, optimizer)``
+    applies the policy (``params``: the models' parameters, walked once per step; ``optimizer``:
+    the one about to step, ``None`` from ``backend.step()``).
     After :meth:`arm`, a global ``optimizer.step()`` pre-hook runs it for
     optimizers that step these models' parameters while ``active()`` (``scope="auto"``
     is step scope only in a data-parallel job), unless :meth:`apply` already ran on the
@@ -243,7 +253,7 @@ class StepScope:
     def __init__(
         self,
         models: Models,
-        run: Callable[[list, Any, list], None],
+        run: Callable[[list, Any, list, Any], None],
         scaler: Any,
         after: Callable[[torch.optim.Optimizer], None],
         active: Callable[[], bool],
@@ -271,6 +281,7 @@ class StepScope:
         scaler: Any,
         params: list[nn.Parameter] | None = None,
         by_hand: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         """Run the policy on ``models``' gradients (``params``: their parameters, if known),
         unless it already ran on them. ``by_hand``: called by ``backend.step()``, after which the
@@ -279,7 +290,7 @@ class StepScope:
         params = self.parameters(models) if params is None else params
         grads = list(map(GRAD, params))
         if self._seen.changed(params, grads):
-            self.run(models, scaler, params)  # in place: each .grad stays the tensor it was
+            self.run(models, scaler, params, optimizer)  # in place: each .grad stays the tensor it was
             self._seen.record(params, grads)
         if by_hand:
             refs = [None if g is None else weakref.ref(g) for g in grads]
@@ -308,7 +319,7 @@ class StepScope:
             return
         if not self._edited_since_by_hand():
             unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
-            self.apply(models, None if unscaled else self.scaler, params)
+            self.apply(models, None if unscaled else self.scaler, params, optimizer=optimizer)
         self.after(optimizer)
 
     def _edited_since_by_hand(self) -> bool:

@@ -1,0 +1,232 @@
+"""``backend.fold(optimizer)`` with per-layer factors: the step program runs the fused update.
+
+The reference is the policy's eager reference, then torch's own fused step."""
+
+import copy
+import warnings
+
+import pytest
+import reference as ref
+import torch
+import torch.nn as nn
+from parity import fused_calls
+from test_fold import assert_same_weights, groups, mlp, train
+
+import fxgrad
+
+STEPS = 20
+
+OPTIMIZERS = {
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-2, weight_decay=0.1, fused=True),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.99), fused=True),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, weight_decay=1e-3, fused=True),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3, fused=True),
+    "sgd_nesterov_dampening": lambda params: torch.optim.SGD(
+        params, lr=0.1, momentum=0.9, dampening=0.2, nesterov=False, fused=True
+    ),
+    "sgd_nesterov": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, fused=True),
+}
+
+POLICIES = {
+    "per_layer_clip": (lambda: fxgrad.clip_by_norm(0.02), lambda m: ref.clip_per_layer(m, 0.02)),
+    "rescale+global_clip": (
+        lambda: fxgrad.chain(fxgrad.rescale(0.5, target=0.1), fxgrad.clip_by_global_norm(0.05)),
+        lambda m: (ref.rescale(m, 0.5, 0.1), ref.clip_global(m, 0.05)),
+    ),
+    "agc": (lambda: fxgrad.adaptive_grad_clip(0.01), lambda m: ref.agc(m, 0.01)),  # reads the weights it updates
+    "sinkhorn": (lambda: fxgrad.sinkhorn(iters=3), lambda m: ref.sinkhorn(m, iters=3)),
+    "by_type_global_clip": (
+        lambda: fxgrad.by_type({nn.Linear: fxgrad.clip_by_global_norm(1e-2)}),
+        lambda m: nn.utils.clip_grad_norm_([p for i in (0, 2, 4) for p in m[i].parameters()], 1e-2),
+    ),
+}
+
+
+def folded_run(policy, make, steps=STEPS, scheduler=True, expected_scaler=None, **kwargs):
+    """``steps`` steps folded and the same unfolded on a copy (its GradScaler: ``expected_scaler``)."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(policy[0](), compiler="aot_eager", scope="step", scaler=kwargs.get("scaler"))
+    optimizer = make(groups(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # it folds: no fallback
+        backend.fold(optimizer)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5) if scheduler else None
+    with fused_calls() as calls:
+        train(model, optimizer, steps, backend=backend, scheduler=sched, **kwargs)
+    expected_optimizer = make(groups(expected))
+    expected_sched = torch.optim.lr_scheduler.StepLR(expected_optimizer, step_size=5, gamma=0.5) if scheduler else None
+    kwargs = {**kwargs, "scaler": expected_scaler} if "scaler" in kwargs else kwargs
+    train(expected, expected_optimizer, steps, reference=policy[1], scheduler=expected_sched, **kwargs)
+    return model, expected, optimizer, expected_optimizer, calls
+
+
+@pytest.mark.parametrize(
+    "name, policy",
+    # SinkGD's unit-RMS gradients make SGD at lr 0.1 diverge, with or without the fold
+    [(name, policy) for name in OPTIMIZERS for policy in POLICIES if not (policy == "sinkhorn" and "sgd" in name)],
+)
+def test_the_folded_update_equals_the_policy_then_the_fused_step(name, policy):
+    """Two parameter groups (their own learning rate and weight decay) and a StepLR, 20 steps:
+    the weights and the optimizer's state equal the unfolded path's, and no fused kernel of
+    torch's updated a parameter (the step program did)."""
+    model, expected, optimizer, expected_optimizer, calls = folded_run(POLICIES[policy], OPTIMIZERS[name])
+    # torch's CPU kernel fuses multiply-adds (one rounding where the program has two), and momentum
+    # carries the difference on: after 20 steps at lr 0.1, 1e-6 to 9e-6 of the weights, as far as the
+    # unfolded step scope (policy, then torch's step) is from the eager reference
+    rtol = 1e-5 if "momentum" in name or "nesterov" in name else 1e-6
+    assert_same_weights(model, expected, rtol=rtol)
+    state, expected_state = optimizer.state_dict()["state"], expected_optimizer.state_dict()["state"]
+    assert state.keys() == expected_state.keys()
+    for index, entry in expected_state.items():  # kept as torch keeps it; a moment of a bias that mostly
+        assert state[index].keys() == entry.keys()  # cancels carries the gradients' rounding: 1e-4 of its largest
+        for key, value in entry.items():
+            atol = 1e-4 * value.abs().max().item()
+            torch.testing.assert_close(state[index][key], value, rtol=1e-4, atol=atol, msg=f"{index} {key}")
+    assert not calls
+
+
+@pytest.mark.parametrize("unscale", [False, True], ids=["scaler.step", "unscale_+step"])
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
+def test_a_grad_scaler_and_a_skipped_overflow_step(name, unscale):
+    """An overflow on step 4: torch's fused kernels leave the weights, the moments and the step
+    count as they were; so does the folded update."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    expected_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    model, expected, optimizer, _, calls = folded_run(
+        POLICIES["per_layer_clip"],
+        OPTIMIZERS[name],
+        scaler=scaler,
+        expected_scaler=expected_scaler,
+        nonfinite={4},
+        unscale=unscale,
+    )
+    assert scaler.get_scale() == expected_scaler.get_scale() < 2.0**10
+    assert_same_weights(model, expected)
+    assert not calls
+
+
+def test_grad_holds_what_the_fused_update_would_leave_there():
+    """Before the step, ``.grad`` is the gradient as backward left it (step scope runs the
+    policy at the step); after it, the policy's gradient, as torch's fused update leaves it; a
+    second step on the same gradients applies them again, as unfolded."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    backend.fold(optimizer)
+    expected_optimizer = torch.optim.SGD(expected.parameters(), lr=0.1, fused=True)
+    x = torch.randn(16, 8)
+    (torch.compile(model, backend=backend)(x).pow(2).mean() * 30).backward()
+    (expected(x).pow(2).mean() * 30).backward()
+    for (name, p), e in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p.grad, e.grad, msg=name)
+    ref.clip_per_layer(expected, 0.02)
+    for _ in range(2):
+        optimizer.step()
+        expected_optimizer.step()
+        assert_same_weights(model, expected)
+        for (name, p), e in zip(model.named_parameters(), expected.parameters()):
+            torch.testing.assert_close(p.grad, e.grad, msg=name)
+
+
+def test_explain_says_the_step_program_runs_the_update():
+    model = mlp()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    backend.fold(optimizer)
+    table = fxgrad.explain(model, torch.randn(4, 8), backend=backend).table()
+    assert "folded into AdamW: the step program runs AdamW's update" in table
+
+
+@pytest.mark.parametrize(
+    "how, folds",
+    [("two optimizers", False), ("backend.step()", False), ("closure", True), ("compiled step", True)],
+)
+def test_other_ways_to_step_equal_the_unfolded_path(how, folds):
+    """A closure (Lightning) and a step compiled by the user fold. Weights and biases under two
+    folded optimizers (neither steps all the gradients) and ``backend.step()`` before the step
+    (the policy ran already, with no optimizer to update) run the policy, then torch's step."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+
+    def split(m):
+        if how != "two optimizers":
+            return [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)]
+        named = list(m.named_parameters())
+        return [
+            torch.optim.AdamW([p for n, p in named if n.endswith(end)], lr=1e-2, fused=True)
+            for end in ("weight", "bias")
+        ]
+
+    optimizers, expected_optimizers = split(model), split(expected)
+    for optimizer in optimizers:
+        backend.fold(optimizer)
+    compiled = torch.compile(model, backend=backend)
+    step_fn = torch.compile(lambda: optimizers[0].step(), backend="aot_eager") if how == "compiled step" else None
+    inputs = torch.randn(5, 16, 8, generator=torch.Generator().manual_seed(3))
+    with fused_calls() as calls, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in inputs:
+
+            def closure(x=x):
+                optimizers[0].zero_grad()
+                loss = compiled(x).pow(2).mean() * 30
+                loss.backward()
+                return loss
+
+            if how == "closure":
+                optimizers[0].step(closure)
+                continue
+            closure()
+            if how == "backend.step()":
+                backend.step()
+            for optimizer in optimizers:
+                step_fn() if step_fn is not None else optimizer.step()
+                optimizer.zero_grad()
+    for x in inputs:
+        (expected(x).pow(2).mean() * 30).backward()
+        ref.clip_per_layer(expected, 0.02)
+        for optimizer in expected_optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_same_weights(model, expected)
+    assert bool(calls) != folds
+    told = [w for w in caught if "cannot run its update: another optimizer steps" in str(w.message)]
+    assert len(told) == (how == "two optimizers")  # once, at the first step (the policy ran for both)
+
+
+def test_hyperparameters_given_as_tensors_keep_the_optimizers_own_step():
+    model = mlp()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    with pytest.warns(RuntimeWarning, match=r"with tensors for betas .*: the step program applies the per-layer"):
+        backend.fold(optimizer)
+    assert backend.folded_into() == []
+
+
+@pytest.mark.inductor
+def test_the_folded_update_compiled_by_inductor_equals_the_unfolded_step():
+    """Under Inductor, against the same policy then torch's fused step (AGC reads the weights the
+    program then writes)."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    policy = fxgrad.chain(fxgrad.adaptive_grad_clip(0.01), fxgrad.rescale(0.5, target=0.1), fxgrad.clip_by_norm(0.02))
+    folded, unfolded = (fxgrad.backend(policy, scope="step") for _ in range(2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    folded.fold(optimizer)
+    with fused_calls() as calls:
+        train(model, optimizer, STEPS, backend=folded)
+    assert not calls
+    train(
+        expected,
+        torch.optim.AdamW(expected.parameters(), lr=1e-2, weight_decay=0.1, fused=True),
+        STEPS,
+        backend=unfolded,
+    )
+    assert_same_weights(model, expected)
