@@ -131,13 +131,16 @@ def ddp_exact(rank: int, world: int, policy: str) -> None:
 
 
 @on_each_rank
-def fold_under(rank: int, world: int, wrapper: str) -> None:
+def fold_under(rank: int, world: int, wrapper: str, policy: str) -> None:
     """The default scope with backend.fold under DDP (``wrapper="ddp"``) or FSDP2 (``"fsdp2"``,
     the step program on local shards): 5 fused AdamW steps equal one process on the whole batch
-    with clip_grad_norm_ and the same optimizer."""
+    with the eager reference and the same optimizer. A global clip folds into ``grad_scale``; a
+    per-layer clip folds into the step program under DDP, and under FSDP2 (DTensor parameters)
+    runs the policy, then the optimizer's own step, after a warning."""
+    make, reference = POLICIES[policy]
     model, x = model_and_data()
     whole = copy.deepcopy(model)
-    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager")
+    backend = fxgrad.backend(make(), compiler="aot_eager")
     if wrapper == "fsdp2":
         shard_layers(model)
         forward = backend.compile(model)
@@ -146,15 +149,20 @@ def fold_under(rank: int, world: int, wrapper: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     backend.fold(optimizer)
     expected = torch.optim.AdamW(whole.parameters(), lr=1e-2, fused=True)
-    for _ in range(5):
-        loss(forward(half(x, rank, world))).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss(whole(x)).backward()
-        ref.clip_global(whole, 1e-2)
-        expected.step()
-        expected.zero_grad()
-    assert backend.stats()["folded_factor"].item() < 1.0  # the clip acted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            loss(forward(half(x, rank, world))).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            loss(whole(x)).backward()
+            reference(whole)
+            expected.step()
+            expected.zero_grad()
+    told = [w for w in caught if "the parameters are DTensors" in str(w.message)]
+    assert len(told) == (wrapper == "fsdp2" and policy != "global_clip"), [str(w.message) for w in caught]
+    if policy == "global_clip":
+        assert backend.stats()["folded_factor"].item() < 1.0  # the clip acted
     for (name, a), b in zip(model.named_parameters(), whole.parameters()):
         a = a.full_tensor() if wrapper == "fsdp2" else a
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)

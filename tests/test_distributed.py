@@ -32,9 +32,10 @@ def test_ddp_exact_equals_one_process_on_the_whole_batch(policy):
 WRAPPERS = ["backend.compile", "torch.compile"]
 
 
+@pytest.mark.parametrize("policy", ["global_clip", "per_layer_clip"])
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
-def test_fold_equals_one_process_with_clip_grad_norm(wrapper):
-    launch(checks.fold_under, wrapper)
+def test_fold_equals_one_process_with_the_eager_reference(wrapper, policy):
+    launch(checks.fold_under, wrapper, policy)
 
 
 def test_fold_in_graph_scope_under_ddp_leaves_the_factor_to_each_ranks_backward():

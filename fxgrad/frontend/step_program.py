@@ -69,7 +69,6 @@ class StepPrograms:
         self._misses: dict[tuple, int] = {}  # steps run eagerly past the limit, by variant and layout
         self._broken: str | None = None  # why building failed; then every step runs eagerly
         self._told_eager: set[str] = set()  # the reasons some gradients run eagerly that were given
-        self._told_sharded_update = False  # that an update was left to the optimizer over FSDP2's gradients
         # the parameters programs read weights of, by name (kept with the owners they came from)
         self._weights: tuple[Sequence[Owner] | None, dict[str, torch.Tensor]] = (None, {})
         self._last: tuple[Any, Callable[[Sequence[torch.Tensor]], bool], _Built | None] = (
@@ -116,7 +115,7 @@ class StepPrograms:
         """Apply ``routes`` to the ``.grad`` of the parameters of ``owners`` in place, grouped by
         layer as the routes expect (``fold``: all but the global factor, see
         :func:`~fxgrad.runtime.executor.run_policy`), then the optimizer's ``update`` if given
-        (:mod:`fxgrad.frontend.update_program`; not over DTensor gradients); ``False`` if it
+        (:mod:`fxgrad.frontend.update_program`: over plain tensors); ``False`` if it
         cannot (the caller then runs the rules eagerly, and leaves the update to the optimizer)."""
         if self._broken is not None:
             return False
@@ -131,14 +130,6 @@ class StepPrograms:
                 )
                 return False
             grads = [g.to_local() for g in grads]
-            if update is not None and not self._told_sharded_update:
-                self._told_sharded_update = True
-                warn(
-                    "fxgrad: fold: the step program runs no update over FSDP2's sharded gradients; the policy "
-                    "runs, then the optimizer's own step, as unfolded",
-                    RuntimeWarning,
-                )
-            update = None
         variant = self._routing(routes, owners), group, scaler is not None, fold, update and update.key
         extra = update.tensors if update is not None else []
         if self._weights[0] is not owners:  # what weight-reading rules read, by name
@@ -255,15 +246,16 @@ class StepPrograms:
         lookup = lambda names: [self._weights[1][name] for name in names]  # noqa: E731
         with gc_paused(), norm_math.local_shards(group) if group is not None else contextlib.nullcontext():
             new = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold, per_step=True)
-            writes = _record_update(gm, inputs, new, update) if update is not None else []
+            if update is not None:
+                writes = _record_update(gm, inputs, new, update)
+            else:
+                writes = [pair for layer, nodes in inputs.items() for pair in zip(nodes, new[layer])]
         if self.keep_code:
             names = {node: o.param for o, node in zip(owners, gm.graph.find_nodes(op="placeholder"))}
             pairs = (pair for layer, nodes in inputs.items() for pair in zip(nodes, new[layer]))
             results = {names[node]: result for node, result in pairs}
             self.inserted = render_inserted(gm, names, results, group_label)
         output = gm.graph.output_node()
-        if update is None:
-            writes = [pair for layer, nodes in inputs.items() for pair in zip(nodes, new[layer])]
         with gm.graph.inserting_before(output):
             for node, result in writes:
                 if result is not node:

@@ -8,14 +8,14 @@ fused ``Adam``, ``AdamW`` or ``SGD``, on the gradient it has just transformed, i
 same loops. The norms are read once; the scaled gradient is never a pass of its own.
 The program writes the weights, the optimizer's state (``exp_avg``, ``exp_avg_sq`` and
 ``step``; ``momentum_buffer``) and the transformed gradient to ``.grad``, where torch's
-fused update would; the optimizer's own ``step()`` then finds no gradient to apply
-(each ``.grad`` is put back after it). Hyperparameters are read from the parameter
+fused update would; the optimizer's own ``step()`` then finds no parameter group to
+update (they are put back after it). Hyperparameters are read from the parameter
 groups at each step (the learning rate as a device tensor: a scheduler recompiles
 nothing). A ``GradScaler``'s ``grad_scale`` and ``found_inf`` are honoured as torch's
 fused kernels honour them: a step with an overflow changes no weight, state or step
 count.
 
-    backend = fxgrad.backend(fxgrad.rescale(1.0, alpha=0.5), scope="step")
+    backend = fxgrad.backend(fxgrad.rescale(alpha=0.5), scope="step")
     model = torch.compile(model, backend=backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     backend.fold(optimizer)   # the step program now runs AdamW's update too
@@ -36,6 +36,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fxgrad.core.layers import Owner
 from fxgrad.core.warn import warn
@@ -109,11 +110,16 @@ class UpdateFolds:
         if optimizer is None or optimizer not in self._folded:
             return None
         self._put_back(optimizer)  # a pre-hook after the set-aside raised, last step
-        if why_not(optimizer) is not None:
+        why = why_not(optimizer)  # fold() checked it; add_param_group or load_state_dict can change it
+        if why is not None:
+            self._tell(optimizer, why)
+            return None
+        params = list(map(_TENSOR, owners))
+        if any(isinstance(p, DTensor) for p in params):
+            self._tell(optimizer, "the parameters are DTensors (FSDP2, tensor parallelism)")
             return None
         param_groups = optimizer.param_groups
         group_of = {id(p): i for i, group in enumerate(param_groups) for p in group["params"]}
-        params = list(map(_TENSOR, owners))
         groups = [group_of.get(id(p), -1) for p in params]
         stepped = sum(p.grad is not None for group in param_groups for p in group["params"])
         if -1 in groups:
