@@ -48,6 +48,7 @@ __all__ = [
     "outside_dispatch_modes",
     "grad_scaler_scale",
     "grad_scaler_unscaled",
+    "optimizer_step_hooks",
     "tensor_version",
     "gradient_version",
     "gradient_versions",
@@ -569,6 +570,15 @@ def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer | None = 
     states = scaler._per_optimizer_states
     chosen = [states[id(optimizer)]] if optimizer is not None else states.values()
     return any(state["stage"] is not OptState.READY for state in chosen)
+
+
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:
+    """How many step pre- and post-hooks ``optimizer`` has of its own (``register_step_pre_hook``,
+    ``register_step_post_hook``), and of every optimizer (``register_optimizer_step_pre_hook``, ...)."""
+    from torch.optim import optimizer as module
+
+    own = len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
+    return own + len(module._global_optimizer_pre_hooks) + len(module._global_optimizer_post_hooks)
 
 
 def stepping_grad_scaler() -> Any:

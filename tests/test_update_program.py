@@ -25,6 +25,9 @@ OPTIMIZERS = {
         params, lr=0.1, momentum=0.9, dampening=0.2, nesterov=False, fused=True
     ),
     "sgd_nesterov": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, fused=True),
+    "adamw_tensors": lambda params: torch.optim.AdamW(  # hyperparameters as tensors
+        params, lr=torch.tensor(1e-2), betas=(torch.tensor(0.8), torch.tensor(0.99)), fused=True
+    ),
 }
 
 POLICIES = {
@@ -42,21 +45,25 @@ POLICIES = {
 }
 
 
-def folded_run(policy, make, steps=STEPS, scheduler=True, expected_scaler=None, **kwargs):
+def step_lr(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+
+
+def folded_run(policy, make, steps=STEPS, scheduler=step_lr, expected_scaler=None, **kwargs):
     """``steps`` steps folded and the same unfolded on a copy (its GradScaler: ``expected_scaler``)."""
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
     backend = fxgrad.backend(policy[0](), compiler="aot_eager", scope="step", scaler=kwargs.get("scaler"))
     optimizer = make(groups(model))
+    sched = scheduler(optimizer) if scheduler else None
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # it folds: no fallback
+        warnings.simplefilter("error", RuntimeWarning)  # it folds: no fallback, no program run eagerly
         backend.fold(optimizer)
-    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5) if scheduler else None
-    with fused_calls() as calls:
-        train(model, optimizer, steps, backend=backend, scheduler=sched, **kwargs)
+        with fused_calls() as calls:
+            train(model, optimizer, steps, backend=backend, scheduler=sched, **kwargs)
     expected_optimizer = make(groups(expected))
-    expected_sched = torch.optim.lr_scheduler.StepLR(expected_optimizer, step_size=5, gamma=0.5) if scheduler else None
+    expected_sched = scheduler(expected_optimizer) if scheduler else None
     kwargs = {**kwargs, "scaler": expected_scaler} if "scaler" in kwargs else kwargs
     train(expected, expected_optimizer, steps, reference=policy[1], scheduler=expected_sched, **kwargs)
     return model, expected, optimizer, expected_optimizer, calls
@@ -200,15 +207,6 @@ def test_other_ways_to_step_equal_the_unfolded_path(how, folds):
     assert len(told) == (how == "two optimizers")  # once, at the first step (the policy ran for both)
 
 
-def test_hyperparameters_given_as_tensors_keep_the_optimizers_own_step():
-    model = mlp()
-    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True, betas=(torch.tensor(0.9), torch.tensor(0.999)))
-    with pytest.warns(RuntimeWarning, match=r"with tensors for betas .*: the step program applies the per-layer"):
-        backend.fold(optimizer)
-    assert backend.folded_into() == []
-
-
 @pytest.mark.inductor
 def test_the_folded_update_compiled_by_inductor_equals_the_unfolded_step():
     """Under Inductor, against the same policy then torch's fused step (AGC reads the weights the
@@ -230,3 +228,74 @@ def test_the_folded_update_compiled_by_inductor_equals_the_unfolded_step():
         backend=unfolded,
     )
     assert_same_weights(model, expected)
+
+
+@pytest.mark.parametrize("registered", ["before fold()", "after fold()"])
+def test_an_optimizer_with_step_hooks_of_its_own_steps_itself(registered):
+    """A user's pre-hook that edits the gradients (or the learning rate) runs after fxgrad's
+    global pre-hook: had the program run the update there, the edit would be lost. Such an
+    optimizer keeps its own step, after one warning; the hook acts as unfolded."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+    def halve(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad.mul_(0.5)
+
+    if registered == "before fold()":
+        optimizer.register_step_pre_hook(halve)
+    backend.fold(optimizer)
+    if registered == "after fold()":
+        optimizer.register_step_pre_hook(halve)
+    with pytest.warns(RuntimeWarning, match=r"1 optimizer step hook\(s\) besides fxgrad's"):
+        train(model, optimizer, 5, backend=backend)
+    expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, fused=True)
+    expected_optimizer.register_step_pre_hook(halve)
+    train(expected, expected_optimizer, 5, reference=lambda m: ref.clip_per_layer(m, 0.02))
+    assert_same_weights(model, expected)
+
+
+def test_float64_weights_update_in_float64():
+    torch.manual_seed(0)
+    model = mlp().double()
+    expected = copy.deepcopy(model)
+    folded, unfolded = (fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step") for _ in "ab")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    folded.fold(optimizer)
+    double = lambda x: x.double()  # noqa: E731
+    for m, opt, backend in ((model, optimizer, folded), (expected, None, unfolded)):
+        opt = opt or torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        compiled = torch.compile(m, backend=backend)
+        for x in torch.randn(STEPS, 16, 8, generator=torch.Generator().manual_seed(3)):
+            (compiled(double(x)).pow(2).mean() * 30).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_weights(model, expected, rtol=1e-12)
+
+
+def test_a_scheduler_that_cycles_the_momentum_compiles_one_program():
+    """OneCycleLR moves the learning rate and Adam's beta1 on every step: device tensors, so the
+    program is built once (and the policy never falls back to running eagerly)."""
+    model, expected, *_ = folded_run(
+        POLICIES["per_layer_clip"],
+        OPTIMIZERS["adamw"],
+        scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS),
+    )
+    assert_same_weights(model, expected)
+
+
+def test_a_checkpoint_of_an_unfused_optimizer_loaded_after_fold_is_told():
+    torch.manual_seed(0)
+    model = mlp()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    backend.fold(optimizer)
+    train(model, optimizer, 2, backend=backend)
+    unfused = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer.load_state_dict(unfused.state_dict())
+    with pytest.warns(RuntimeWarning, match=r"cannot run its update: AdamW without fused=True"):
+        train(model, optimizer, 2, backend=backend)

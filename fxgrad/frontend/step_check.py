@@ -365,6 +365,11 @@ class _GlobalHook:
             method(owner, optimizer)
 
 
+def global_hooks() -> int:
+    """How many of torch's global optimizer-step hooks are fxgrad's (0 to 2)."""
+    return _BEFORE.registered + _AFTER.registered
+
+
 _BEFORE = _GlobalHook(lambda run: register_optimizer_step_pre_hook(after_closure(run)))
 _AFTER = _GlobalHook(
     lambda run: register_optimizer_step_post_hook(

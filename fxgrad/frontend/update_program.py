@@ -10,27 +10,30 @@ The program writes the weights, the optimizer's state (``exp_avg``, ``exp_avg_sq
 ``step``; ``momentum_buffer``) and the transformed gradient to ``.grad``, where torch's
 fused update would; the optimizer's own ``step()`` then finds no parameter group to
 update (they are put back after it). Hyperparameters are read from the parameter
-groups at each step (the learning rate as a device tensor: a scheduler recompiles
-nothing). A ``GradScaler``'s ``grad_scale`` and ``found_inf`` are honoured as torch's
-fused kernels honour them: a step with an overflow changes no weight, state or step
-count.
+groups at each step into device tensors (a scheduler recompiles nothing, OneCycleLR's
+cycled momentum included). A ``GradScaler``'s ``grad_scale`` and ``found_inf`` are
+honoured as torch's fused kernels honour them: a step with an overflow changes no
+weight, state or step count.
 
     backend = fxgrad.backend(fxgrad.rescale(alpha=0.5), scope="step")
     model = torch.compile(model, backend=backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     backend.fold(optimizer)   # the step program now runs AdamW's update too
 
+An optimizer with step hooks of anyone but fxgrad keeps its own step: its pre-hooks run
+after fxgrad's, and their edits of the gradients or the learning rate would come after an
+update run in fxgrad's.
+
 The math is that of torch's fused kernels (``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``,
-``FusedSGDKernel.cpp``), in float32 with the step size in float64; the weights after
-each step equal the policy then torch's fused step to float32 rounding
-(``tests/test_update_program.py``). What does not fold this way, and runs the policy
+``FusedSGDKernel.cpp``), in float64 for float64 weights and float32 for the others, with
+the step size in float64; the weights after each step equal the policy then torch's
+fused step to rounding (``tests/test_update_program.py``). What does not fold this way, and runs the policy
 then torch's own step, is in docs/performance.md ("The optimizer fold").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 import weakref
 from typing import Any, Callable, Sequence
@@ -38,9 +41,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
+from fxgrad import _compat
 from fxgrad.core.layers import Owner
 from fxgrad.core.warn import warn
-from fxgrad.frontend.step_check import after_closure
+from fxgrad.frontend.step_check import after_closure, global_hooks
 
 ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -55,11 +59,6 @@ def why_not(optimizer: torch.optim.Optimizer) -> str | None:
         flags = [flag for flag in ("amsgrad", "maximize", "differentiable") if group.get(flag)]
         if flags:
             return f"{type(optimizer).__name__} with {', '.join(f'{flag}=True' for flag in flags)}"
-        tensors = [name for name in _HYPER[type(optimizer)] if _holds_tensor(group[name])]
-        if tensors:
-            return (
-                f"{type(optimizer).__name__} with tensors for {', '.join(tensors)} (the program takes Python numbers)"
-            )
     return None
 
 
@@ -114,6 +113,14 @@ class UpdateFolds:
         if why is not None:
             self._tell(optimizer, why)
             return None
+        foreign = _compat.optimizer_step_hooks(optimizer) - 2 - global_hooks()  # 2: set aside and put back
+        if foreign:
+            self._tell(
+                optimizer,
+                f"{foreign} optimizer step hook(s) besides fxgrad's: a pre-hook would edit the gradients or "
+                "the learning rate after the update, and a hook would find no parameter group",
+            )
+            return None
         params = list(map(_TENSOR, owners))
         if any(isinstance(p, DTensor) for p in params):
             self._tell(optimizer, "the parameters are DTensors (FSDP2, tensor parallelism)")
@@ -147,18 +154,19 @@ class UpdateFolds:
             first = self._scalar(("first", device), torch.float32, device)
             first.fill_(1.0 if new else 0.0)
             tensors = [*params, *(state["momentum_buffer"] for _, state in moving), first]
-        for i, group in enumerate(param_groups):
-            lr = self._scalar(("lr", i, device), torch.float64, device)
-            lr.fill_(group["lr"])
-            tensors.append(lr)
+        numbers, flags = _HYPER[type(optimizer)]
+        for i, group in enumerate(param_groups):  # device tensors: a scheduler changes them (OneCycleLR)
+            for name in numbers:
+                kept = self._scalar((name, i, device), torch.float64, device)
+                tensors.append(kept.fill_(_number(group, name)))
         scale = getattr(optimizer, "grad_scale", None)  # a GradScaler's, set around optimizer.step()
         found_inf = getattr(optimizer, "found_inf", None)
         one = self._scalar(("one", device), torch.float32, device, 1.0)
         zero = self._scalar(("zero", device), torch.float32, device, 0.0)
         tensors.append(one if scale is None else torch.reciprocal(scale.to(torch.float32)))
         tensors.append(zero if found_inf is None else found_inf.to(torch.float32))
-        hyper = tuple(tuple(group[name] for name in _HYPER[type(optimizer)]) for group in param_groups)
-        return Update((type(optimizer), hyper, tuple(groups)), tensors)
+        kinds = tuple(tuple(flag(optimizer, group) for flag in flags) for group in param_groups)
+        return Update((isinstance(optimizer, ADAM), kinds, tuple(groups)), tensors)
 
     def _tell(self, optimizer: torch.optim.Optimizer, why: str) -> None:
         """Say once per optimizer why its update runs in its own step, after the policy."""
@@ -192,17 +200,35 @@ class UpdateFolds:
             optimizer.param_groups = groups
 
 
-def _holds_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) or (isinstance(value, tuple) and any(map(_holds_tensor, value)))
-
-
 _TENSOR = operator.attrgetter("tensor")
 _EXP_AVG, _EXP_AVG_SQ, _STEP = map(operator.itemgetter, ("exp_avg", "exp_avg_sq", "step"))
+
+
+def _number(group: dict, name: str) -> float:
+    """A parameter group's hyperparameter ``name`` (``beta1``, ``beta2``: of ``betas``)."""
+    return group["betas"][name == "beta2"] if name.startswith("beta") else group[name]
+
+
+# per class: the hyperparameters the program takes as device tensors, each group's, and what of
+# a group its code depends on (in the program's key)
 _HYPER = {
-    torch.optim.Adam: ("betas", "eps", "weight_decay", "decoupled_weight_decay"),
-    torch.optim.AdamW: ("betas", "eps", "weight_decay"),
-    torch.optim.SGD: ("momentum", "dampening", "nesterov", "weight_decay"),
+    cls: (
+        ("lr", "beta1", "beta2", "eps", "weight_decay"),
+        (
+            lambda optimizer, group: group["weight_decay"] != 0,
+            lambda optimizer, group: isinstance(optimizer, torch.optim.AdamW) or group["decoupled_weight_decay"],
+        ),
+    )
+    for cls in ADAM
 }
+_HYPER[torch.optim.SGD] = (
+    ("lr", "momentum", "dampening", "weight_decay"),
+    (
+        lambda optimizer, group: group["momentum"] != 0,
+        lambda optimizer, group: group["nesterov"],
+        lambda optimizer, group: group["weight_decay"] != 0,
+    ),
+)
 
 
 def record(
@@ -212,110 +238,97 @@ def record(
     results for ``grads``) and ``inputs`` (:attr:`Update.tensors`), all fake tensors, with
     ``replay`` (:meth:`~fxgrad.passes.record.GraphRecorder.replay`); the pairs ``(tensor,
     new value)`` the program writes back, gradients included."""
-    kind, hyper, groups = key
-    n = len(grads)
+    adam, kinds, groups = key
+    n, width = len(grads), 5 if adam else 4
     params, writes = inputs[:n], []
-    if kind in ADAM:
+    hyper, (inverse, found_inf) = inputs[-2 - width * len(kinds) : -2], inputs[-2:]
+    numbers = [hyper[i * width : (i + 1) * width] for i in range(len(kinds))]  # each group's
+    if adam:
         exp_avgs, exp_avg_sqs, steps = inputs[n : 2 * n], inputs[2 * n : 3 * n], inputs[3 * n : 4 * n]
-        lrs, (inverse, found_inf) = inputs[4 * n : -2], inputs[-2:]
-        scalars = _adam_scalars(hyper, groups, steps, lrs)
+        scalars = _adam_scalars(numbers, groups, steps)
         for i in range(n):
-            beta1_beta2, eps, wd = hyper[groups[i]][:3]
-            decoupled = kind is torch.optim.AdamW or hyper[groups[i]][3]
             state = (params[i], exp_avgs[i], exp_avg_sqs[i], steps[i])
-            args = (*scalars[i], lrs[groups[i]], inverse, found_inf, *beta1_beta2, eps, wd, decoupled)
+            args = (*scalars[i], *numbers[groups[i]], inverse, found_inf, *kinds[groups[i]])
             writes += zip((grads[i], *state), replay(_adam, new_grads[i], *state, *args))
         return writes
     buffers = iter(inputs[n:])
-    bufs = [next(buffers) if hyper[g][0] != 0 else None for g in groups]
-    rest = list(buffers)  # the flag of a first step, then the learning rates, the inverse scale, found_inf
+    bufs = [next(buffers) if kinds[g][0] else None for g in groups]
+    first = next(buffers)
     for i in range(n):
-        momentum, dampening, nesterov, wd = hyper[groups[i]]
+        (lr, momentum, dampening, wd), (_, nesterov, decays) = numbers[groups[i]], kinds[groups[i]]
         if bufs[i] is None:
-            new = replay(_sgd, new_grads[i], params[i], rest[1 + groups[i]], *rest[-2:], wd)
+            new = replay(_sgd, new_grads[i], params[i], lr, wd, inverse, found_inf, decays)
             writes += zip((grads[i], params[i]), new)
         else:
-            args = (momentum, dampening, nesterov, wd)
-            new = replay(
-                _momentum_sgd, new_grads[i], params[i], bufs[i], rest[0], rest[1 + groups[i]], *rest[-2:], *args
-            )
+            args = (first, lr, momentum, dampening, wd, inverse, found_inf, nesterov, decays)
+            new = replay(_momentum_sgd, new_grads[i], params[i], bufs[i], *args)
             writes += zip((grads[i], params[i], bufs[i]), new)
     return writes
 
 
-def _adam_scalars(hyper: tuple, groups: Sequence[int], steps: Sequence[Any], lrs: Sequence[Any]) -> list[tuple]:
-    """Each parameter's new step count, step size and bias correction's square root, each
-    group's computed in one op over its parameters' step counts. ``beta ** step`` is written
-    ``exp(step * log(beta))``: a reused result of ``exp`` is one Inductor computes once on
-    the CPU (``should_realize_on_reuse``), where a power is inlined into the loop over each
-    gradient and computed again for every vector of it (the deep MLP's program: 1.2 ms
-    against 0.2 ms)."""
+def _adam_scalars(numbers: Sequence[Sequence[Any]], groups: Sequence[int], steps: Sequence[Any]) -> list[tuple]:
+    """Each parameter's new step count, step size and bias correction's square root (float64),
+    each group's computed in one op over its parameters' step counts. ``beta ** step`` is written
+    ``exp(step * log(beta))``: a reused result of ``exp`` is one Inductor computes once on the
+    CPU (``should_realize_on_reuse``), where a power is inlined into the loop over each gradient
+    and computed again for every vector of it (the deep MLP's program: 1.2 ms against 0.2 ms)."""
     out: list[tuple] = [()] * len(steps)
-    for group, (betas, *_) in enumerate(hyper):
+    for group, (lr, beta1, beta2, *_) in enumerate(numbers):
         members = [i for i, g in enumerate(groups) if g == group]
         if not members:
             continue
         new_steps = torch.stack([steps[i] for i in members]) + 1
         exponents = new_steps.double()
-        step_sizes = (lrs[group] / (1 - torch.exp(exponents * math.log(betas[0])))).float()
-        bias2_sqrts = torch.sqrt(1 - torch.exp(exponents * math.log(betas[1]))).float()
+        step_sizes = lr / (1 - torch.exp(exponents * torch.log(beta1)))
+        bias2_sqrts = torch.sqrt(1 - torch.exp(exponents * torch.log(beta2)))
         for j, i in enumerate(members):
             out[i] = new_steps[j], step_sizes[j], bias2_sqrts[j]
     return out
 
 
 def _adam(
-    g,
-    p,
-    exp_avg,
-    exp_avg_sq,
-    step,
-    new_step,
-    step_size,
-    bias2_sqrt,
-    lr,
-    inverse,
-    found_inf,
-    beta1,
-    beta2,
-    eps,
-    wd,
-    decoupled,
-):
+    g, p, exp_avg, exp_avg_sq, step, new_step, step_size, bias2_sqrt, lr, beta1, beta2, eps, wd, inverse, found_inf,
+    decays, decoupled,
+):  # fmt: skip
     """One parameter's fused Adam(W) update of the policy's gradient ``g`` (the scalars from
     :func:`_adam_scalars`); the gradient to write back, and the new weight, moments and step."""
-    grad = g.float() * inverse
-    param = p.float()
-    if wd != 0:
-        if decoupled:
-            param = param * (1 - lr * wd).float()
-        else:
-            grad = grad + param * wd
-    m = exp_avg + (grad - exp_avg) * (1 - beta1)
-    v = exp_avg_sq * beta2 + grad * grad * (1 - beta2)
-    param = param - step_size * m / (torch.sqrt(v) / bias2_sqrt + eps)
+    dtype = _opmath(p)
+    grad, param = g.to(dtype) * inverse.to(dtype), p.to(dtype)
+    if decays and decoupled:
+        param = param * (1 - lr * wd).to(dtype)
+    elif decays:
+        grad = grad + param * wd.to(dtype)
+    m = exp_avg.to(dtype) + (grad - exp_avg.to(dtype)) * (1 - beta1).to(dtype)
+    v = exp_avg_sq.to(dtype) * beta2.to(dtype) + grad * grad * (1 - beta2).to(dtype)
+    param = param - step_size.to(dtype) * m / (torch.sqrt(v) / bias2_sqrt.to(dtype) + eps.to(dtype))
     return _unless(found_inf, g, inverse, (p, param), (exp_avg, m), (exp_avg_sq, v), (step, new_step))
 
 
-def _sgd(g, p, lr, inverse, found_inf, wd):
+def _sgd(g, p, lr, wd, inverse, found_inf, decays):
     """One parameter's fused SGD update without momentum; the gradient to write back, the weight."""
-    grad = g.float() * inverse
-    param = p.float()
-    if wd != 0:
-        grad = grad + param * wd
-    return _unless(found_inf, g, inverse, (p, param - lr.float() * grad))
+    dtype = _opmath(p)
+    grad, param = g.to(dtype) * inverse.to(dtype), p.to(dtype)
+    if decays:
+        grad = grad + param * wd.to(dtype)
+    return _unless(found_inf, g, inverse, (p, param - lr.to(dtype) * grad))
 
 
-def _momentum_sgd(g, p, buf, first, lr, inverse, found_inf, momentum, dampening, nesterov, wd):
+def _momentum_sgd(g, p, buf, first, lr, momentum, dampening, wd, inverse, found_inf, nesterov, decays):
     """One parameter's fused SGD update with momentum (``first``: the buffers are new, and start
     at the gradient, as at torch's first step); the gradient to write back, the weight, the buffer."""
-    grad = g.float() * inverse
-    param = p.float()
-    if wd != 0:
-        grad = grad + param * wd
-    new_buf = torch.where(first != 0, grad, buf * momentum + grad * (1 - dampening))
+    dtype = _opmath(p)
+    grad, param = g.to(dtype) * inverse.to(dtype), p.to(dtype)
+    if decays:
+        grad = grad + param * wd.to(dtype)
+    momentum = momentum.to(dtype)
+    new_buf = torch.where(first != 0, grad, buf.to(dtype) * momentum + grad * (1 - dampening).to(dtype))
     grad = grad + new_buf * momentum if nesterov else new_buf
-    return _unless(found_inf, g, inverse, (p, param - lr.float() * grad), (buf, new_buf))
+    return _unless(found_inf, g, inverse, (p, param - lr.to(dtype) * grad), (buf, new_buf))
+
+
+def _opmath(tensor: Any) -> torch.dtype:
+    """The dtype torch's fused kernels compute ``tensor``'s update in: float64's own, else float32."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
 def _unless(found_inf, g, inverse, *pairs):
