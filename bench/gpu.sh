@@ -6,8 +6,10 @@
 #   bench/gpu.sh                 # SGD: four policies, graph and step scope, eager; kernel launches,
 #                                # cold compile -> bench/results/gpu.md
 #   bench/gpu.sh --fold          # fused AdamW: global clip and the full policy, graph and step
-#                                # scope, the fold in both scopes, eager clip_grad_norm_, cold
-#                                # compile -> bench/results/gpu_fold.md (9.5 minutes on an H200)
+#                                # scope, the fold in both scopes (the full policy's: step scope,
+#                                # the update in the step program), eager clip_grad_norm_, cold
+#                                # compile -> bench/results/gpu_fold.md (9.5 minutes on an H200 with
+#                                # 7 repeats before the full policy's fold; 5 now, an estimate)
 #   bench/gpu.sh --combo         # fused AdamW, global clip: every variant beside a twin compiled with
 #                                # Inductor's combo kernels (independent kernels launched as one; the
 #                                # step program alone in step scope) -> bench/results/gpu_combo.md;
@@ -37,14 +39,14 @@ done
 
 if [[ "$DEVICE" == "cuda" ]]; then
   SIZE=(--device cuda --dtype bfloat16)
-  RUN=(--repeats 7 --steps 10)
+  RUN=(--repeats 7 --steps 10) FOLD_RUN=(--repeats 5 --steps 10)
   MAIN_OUT=bench/results/gpu.md FOLD_OUT=bench/results/gpu_fold.md MEMORY_OUT=bench/results/gpu_memory.txt
   COMBO_OUT=bench/results/gpu_combo.md COMBO_RUN=(--repeats 11 --steps 10)
   POLICIES=global_clip,full,agc,sinkhorn
   MEMORY_SIZE=(--device cuda)
 else
   SIZE=(--device cpu --scale 0.1)
-  RUN=(--repeats 2 --steps 1)
+  RUN=(--repeats 2 --steps 1) FOLD_RUN=(--repeats 2 --steps 1)
   MAIN_OUT=- FOLD_OUT=- MEMORY_OUT=/dev/null COMBO_OUT=- COMBO_RUN=("${RUN[@]}")
   POLICIES=global_clip,full
   MEMORY_SIZE=(--device cpu --scale 0.1 --steps 1)
@@ -56,7 +58,7 @@ case "$MODE" in
       --compile-samples 1 --no-pass-scaling "${RUN[@]}" --out "$MAIN_OUT" ;;
   fold)
     "$PYTHON" bench/run.py --models gpt2_124m "${SIZE[@]}" --optimizer adamw-fused --policies global_clip,full \
-      --compile-policies global_clip --compile-samples 1 --no-pass-scaling "${RUN[@]}" --out "$FOLD_OUT" ;;
+      --compile-policies global_clip --compile-samples 1 --no-pass-scaling "${FOLD_RUN[@]}" --out "$FOLD_OUT" ;;
   combo)
     "$PYTHON" bench/run.py --models gpt2_124m "${SIZE[@]}" --optimizer adamw-fused --policies global_clip \
       --compile-policies '' --no-pass-scaling "${COMBO_RUN[@]}" --twin combo_kernels=True \
