@@ -28,6 +28,9 @@ OPTIMIZERS = {
     "adamw_tensors": lambda params: torch.optim.AdamW(  # hyperparameters as tensors
         params, lr=torch.tensor(1e-2), betas=(torch.tensor(0.8), torch.tensor(0.99)), fused=True
     ),
+    "sgd_momentum_tensors": lambda params: torch.optim.SGD(
+        params, lr=0.1, momentum=torch.tensor(0.9), weight_decay=torch.tensor(1e-3), fused=True
+    ),
 }
 
 POLICIES = {
@@ -299,3 +302,20 @@ def test_a_checkpoint_of_an_unfused_optimizer_loaded_after_fold_is_told():
     optimizer.load_state_dict(unfused.state_dict())
     with pytest.warns(RuntimeWarning, match=r"cannot run its update: AdamW without fused=True"):
         train(model, optimizer, 2, backend=backend)
+
+
+def test_a_step_the_program_does_not_run_leaves_the_optimizer_state_to_it():
+    """No program runs (none may be built: the layout limit at 0): the optimizer steps itself, and
+    finds no state the fold started. SGD's first momentum buffer is the gradient, with dampening
+    too; zeros made ahead for the program would have made it 0.7 of it."""
+    make = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.3, fused=True)  # noqa: E731
+    with torch._dynamo.config.patch(recompile_limit=0), pytest.warns(RuntimeWarning, match="runs the policy eagerly"):
+        torch.manual_seed(0)
+        model = mlp()
+        expected = copy.deepcopy(model)
+        backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+        optimizer = make(model.parameters())
+        backend.fold(optimizer)
+        train(model, optimizer, 3, backend=backend)
+    train(expected, make(expected.parameters()), 3, reference=lambda m: ref.clip_per_layer(m, 0.02))
+    assert_same_weights(model, expected, rtol=1e-5)

@@ -119,6 +119,8 @@ def apply_to_grads(
         folded = update(with_grad)
         if programs.run(routes, with_grad, store, scaler, fold, folded):
             return folded
+        if folded is not None:
+            folded.unused()
     params: dict[str, list[nn.Parameter]] = {}
     for owner in with_grad:
         params.setdefault(owner.layer, []).append(owner.tensor)

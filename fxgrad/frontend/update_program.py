@@ -71,6 +71,15 @@ class Update:
 
     key: tuple
     tensors: list[torch.Tensor]
+    made: list[tuple[dict, tuple[str, ...]]]  # optimizer state it started: (a parameter's state, keys)
+
+    def unused(self) -> None:
+        """The program did not run it (it was not built, or ran eagerly): drop the state it
+        started, which the optimizer's own step starts as it does (SGD's first momentum buffer
+        is the gradient, not zeros)."""
+        for state, keys in self.made:
+            for key in keys:
+                del state[key]
 
 
 class UpdateFolds:
@@ -95,9 +104,11 @@ class UpdateFolds:
         return optimizer in self._folded
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose update the step program runs (while they live)."""
         return list(self._folded)
 
     def add(self, optimizer: torch.optim.Optimizer) -> None:
+        """Run ``optimizer``'s update in the step program from its next step on (again: a no-op)."""
         if optimizer not in self._folded:
             self._folded.add(optimizer)
             optimizer.register_step_pre_hook(after_closure(self._set_aside))
@@ -135,7 +146,7 @@ class UpdateFolds:
         if stepped != len(owners):
             self._tell(optimizer, "it also steps parameters outside the backend's models")
             return None
-        device = params[0].device
+        device, made = params[0].device, []
         if isinstance(optimizer, ADAM):
             states = list(map(optimizer.state.__getitem__, params))  # a defaultdict: it adds them
             for p, state in zip(params, states):
@@ -143,14 +154,17 @@ class UpdateFolds:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    made.append((state, ("step", "exp_avg", "exp_avg_sq")))
             tensors = [*params, *map(_EXP_AVG, states), *map(_EXP_AVG_SQ, states), *map(_STEP, states)]
         else:
-            moving = [(p, optimizer.state[p]) for p, g in zip(params, groups) if param_groups[g]["momentum"]]
+            moving = [(p, optimizer.state[p]) for p, g in zip(params, groups) if _moves(param_groups[g])]
             new = sum("momentum_buffer" not in state for _, state in moving)
             if new not in (0, len(moving)):
                 return None  # some buffers are new: torch's own step starts them
             for p, state in moving:
-                state.setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+                if new:  # the program starts them at the gradient (first = 1), as torch's first step does
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    made.append((state, ("momentum_buffer",)))
             first = self._scalar(("first", device), torch.float32, device)
             first.fill_(1.0 if new else 0.0)
             tensors = [*params, *(state["momentum_buffer"] for _, state in moving), first]
@@ -166,7 +180,7 @@ class UpdateFolds:
         tensors.append(one if scale is None else torch.reciprocal(scale.to(torch.float32)))
         tensors.append(zero if found_inf is None else found_inf.to(torch.float32))
         kinds = tuple(tuple(flag(optimizer, group) for flag in flags) for group in param_groups)
-        return Update((isinstance(optimizer, ADAM), kinds, tuple(groups)), tensors)
+        return Update((isinstance(optimizer, ADAM), kinds, tuple(groups)), tensors, made)
 
     def _tell(self, optimizer: torch.optim.Optimizer, why: str) -> None:
         """Say once per optimizer why its update runs in its own step, after the policy."""
@@ -183,18 +197,21 @@ class UpdateFolds:
         self._ran.add(optimizer)
 
     def _scalar(self, key: tuple, dtype: torch.dtype, device: torch.device, value: float = 0.0) -> torch.Tensor:
+        """The 0-dim input kept under ``key`` (made holding ``value``)."""
         kept = self._scalars.get(key)
         if kept is None:
             kept = self._scalars[key] = torch.full((), value, dtype=dtype, device=device)
         return kept
 
     def _set_aside(self, optimizer: torch.optim.Optimizer) -> None:
+        """The last pre-hook of a step whose update the program ran: leave the step no group."""
         self._put_back(optimizer)
         if optimizer in self._ran:
             self._ran.discard(optimizer)
             self._aside[optimizer], optimizer.param_groups = optimizer.param_groups, []
 
     def _put_back(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        """After the step (a post-hook), or before the next if a hook raised in between."""
         groups = self._aside.pop(optimizer, None)
         if groups is not None:
             optimizer.param_groups = groups
@@ -204,18 +221,32 @@ _TENSOR = operator.attrgetter("tensor")
 _EXP_AVG, _EXP_AVG_SQ, _STEP = map(operator.itemgetter, ("exp_avg", "exp_avg_sq", "step"))
 
 
-def _number(group: dict, name: str) -> float:
-    """A parameter group's hyperparameter ``name`` (``beta1``, ``beta2``: of ``betas``)."""
-    return group["betas"][name == "beta2"] if name.startswith("beta") else group[name]
+def _number(group: dict, name: str) -> float | torch.Tensor:
+    """A parameter group's hyperparameter ``name`` (``beta1`` and ``beta2`` are ``betas``')."""
+    betas = {"beta1": 0, "beta2": 1}
+    return group["betas"][betas[name]] if name in betas else group[name]
+
+
+def _decays(group: dict) -> bool:
+    """Whether the program's code for ``group`` applies weight decay: a tensor may change, and a
+    decay of 0 leaves the weights exactly as none does."""
+    return isinstance(group["weight_decay"], torch.Tensor) or group["weight_decay"] != 0
+
+
+def _moves(group: dict) -> bool:
+    """Whether the program keeps momentum buffers for ``group``: a tensor may change, so it does
+    (torch's SGD reads its value on the host instead; with a momentum of 0 the buffer is then
+    the gradient times ``1 - dampening``, where torch's step takes the gradient)."""
+    return isinstance(group["momentum"], torch.Tensor) or group["momentum"] != 0
 
 
 # per class: the hyperparameters the program takes as device tensors, each group's, and what of
-# a group its code depends on (in the program's key)
+# a group its code depends on (Python values, in the program's key)
 _HYPER = {
     cls: (
         ("lr", "beta1", "beta2", "eps", "weight_decay"),
         (
-            lambda optimizer, group: group["weight_decay"] != 0,
+            lambda optimizer, group: _decays(group),
             lambda optimizer, group: isinstance(optimizer, torch.optim.AdamW) or group["decoupled_weight_decay"],
         ),
     )
@@ -224,9 +255,9 @@ _HYPER = {
 _HYPER[torch.optim.SGD] = (
     ("lr", "momentum", "dampening", "weight_decay"),
     (
-        lambda optimizer, group: group["momentum"] != 0,
-        lambda optimizer, group: group["nesterov"],
-        lambda optimizer, group: group["weight_decay"] != 0,
+        lambda optimizer, group: _moves(group),
+        lambda optimizer, group: bool(group["nesterov"]),
+        lambda optimizer, group: _decays(group),
     ),
 )
 
