@@ -29,7 +29,7 @@ OPTIMIZERS = {
         params, lr=torch.tensor(1e-2), betas=(torch.tensor(0.8), torch.tensor(0.99)), fused=True
     ),
     "sgd_momentum_tensors": lambda params: torch.optim.SGD(
-        params, lr=0.1, momentum=torch.tensor(0.9), weight_decay=torch.tensor(1e-3), fused=True
+        params, lr=torch.tensor(0.1), momentum=0.9, weight_decay=torch.tensor(1e-3), fused=True
     ),
 }
 
@@ -319,3 +319,14 @@ def test_a_step_the_program_does_not_run_leaves_the_optimizer_state_to_it():
         train(model, optimizer, 3, backend=backend)
     train(expected, make(expected.parameters()), 3, reference=lambda m: ref.clip_per_layer(m, 0.02))
     assert_same_weights(model, expected, rtol=1e-5)
+
+
+def test_sgd_with_a_tensor_momentum_keeps_its_own_step():
+    """Whether SGD keeps momentum buffers depends on the momentum's value, which torch's step
+    reads on the host: with one given as a tensor, fold() leaves the step to it."""
+    model = mlp()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=torch.tensor(0.0), dampening=0.3, fused=True)
+    with pytest.warns(RuntimeWarning, match=r"momentum given as a tensor .*: the step program applies the per-layer"):
+        backend.fold(optimizer)
+    assert backend.folded_into() == []

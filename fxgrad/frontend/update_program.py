@@ -59,6 +59,8 @@ def why_not(optimizer: torch.optim.Optimizer) -> str | None:
         flags = [flag for flag in ("amsgrad", "maximize", "differentiable") if group.get(flag)]
         if flags:
             return f"{type(optimizer).__name__} with {', '.join(f'{flag}=True' for flag in flags)}"
+        if isinstance(group.get("momentum"), torch.Tensor):  # whether it keeps buffers depends on its value
+            return "SGD with a momentum given as a tensor (torch's step reads its value on the host)"
     return None
 
 
@@ -234,10 +236,8 @@ def _decays(group: dict) -> bool:
 
 
 def _moves(group: dict) -> bool:
-    """Whether the program keeps momentum buffers for ``group``: a tensor may change, so it does
-    (torch's SGD reads its value on the host instead; with a momentum of 0 the buffer is then
-    the gradient times ``1 - dampening``, where torch's step takes the gradient)."""
-    return isinstance(group["momentum"], torch.Tensor) or group["momentum"] != 0
+    """Whether ``group`` keeps momentum buffers (a Python number: see :func:`why_not`)."""
+    return group["momentum"] != 0
 
 
 # per class: the hyperparameters the program takes as device tensors, each group's, and what of
