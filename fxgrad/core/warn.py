@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from typing import Hashable, MutableSet
 
 import torch
 
@@ -31,3 +32,11 @@ def warn(message: str, category: type[Warning]) -> None:
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+def warn_once(told: MutableSet, key: Hashable, message: str, category: type[Warning]) -> None:
+    """:func:`warn`, the first time ``key`` is told (``told``: the keys told so far, such as a
+    ``WeakSet`` of optimizers)."""
+    if key not in told:
+        told.add(key)
+        warn(message, category)

@@ -45,7 +45,7 @@ import torch
 from fxgrad import _compat
 from fxgrad.core import match
 from fxgrad.core.rule import Transform
-from fxgrad.core.warn import warn
+from fxgrad.core.warn import warn, warn_once
 from fxgrad.frontend.coverage import CoverageWarning
 from fxgrad.frontend.step_check import after_closure
 
@@ -376,13 +376,13 @@ class Folds:
             give(optimizer, torch.reciprocal(factor, out=out))
             return
         ours = checked[2]
-        if optimizer not in self._told_scaling:
-            self._told_scaling.add(optimizer)
-            warn(
-                f"fxgrad: fold({type(optimizer).__name__}): {checked[1]}: while it does, the factor "
-                "multiplies the gradients of the backend's models in a pass of its own",
-                RuntimeWarning,
-            )
+        warn_once(
+            self._told_scaling,
+            optimizer,
+            f"fxgrad: fold({type(optimizer).__name__}): {checked[1]}: while it does, the factor "
+            "multiplies the gradients of the backend's models in a pass of its own",
+            RuntimeWarning,
+        )
         grads = [
             p.grad for group in optimizer.param_groups for p in group["params"] if id(p) in ours and p.grad is not None
         ]

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fxgrad import _compat
 from fxgrad.core.layers import GRAD, Owner, not_none
 from fxgrad.core.rule import Route
-from fxgrad.core.warn import warn
+from fxgrad.core.warn import warn, warn_once
 from fxgrad.frontend import update_program
 from fxgrad.frontend.rewrite import record_policy
 from fxgrad.frontend.update_program import Update
@@ -212,12 +212,8 @@ class StepPrograms:
 
     def _eager(self, why: str) -> None:
         """Say once per reason that these gradients run the rules eagerly, one op at a time, and ``why``."""
-        if why not in self._told_eager:
-            self._told_eager.add(why)
-            warn(
-                f"fxgrad: scope='step' runs the policy eagerly on these gradients, one op at a time: {why}.",
-                RuntimeWarning,
-            )
+        message = f"fxgrad: scope='step' runs the policy eagerly on these gradients, one op at a time: {why}."
+        warn_once(self._told_eager, why, message, RuntimeWarning)
 
     def _routing(self, routes: Sequence[tuple[int, Route]], owners: Sequence[Owner]) -> int:
         """The program key's part for ``routes`` over ``owners``' parameter names (not the

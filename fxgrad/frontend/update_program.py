@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from fxgrad import _compat
 from fxgrad.core.layers import Owner
-from fxgrad.core.warn import warn
+from fxgrad.core.warn import warn_once
 from fxgrad.frontend.step_check import after_closure, global_hooks
 
 ADAM = (torch.optim.Adam, torch.optim.AdamW)
@@ -186,13 +186,13 @@ class UpdateFolds:
 
     def _tell(self, optimizer: torch.optim.Optimizer, why: str) -> None:
         """Say once per optimizer why its update runs in its own step, after the policy."""
-        if optimizer not in self._told:
-            self._told.add(optimizer)
-            warn(
-                f"fxgrad: fold({type(optimizer).__name__}): the step program cannot run its update: {why}. "
-                "The policy runs, then the optimizer's own step, as unfolded",
-                RuntimeWarning,
-            )
+        warn_once(
+            self._told,
+            optimizer,
+            f"fxgrad: fold({type(optimizer).__name__}): the step program cannot run its update: {why}. "
+            "The policy runs, then the optimizer's own step, as unfolded",
+            RuntimeWarning,
+        )
 
     def ran(self, optimizer: torch.optim.Optimizer) -> None:
         """The program ran ``optimizer``'s update for the step beginning now."""
