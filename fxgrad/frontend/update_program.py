@@ -148,8 +148,8 @@ class UpdateFolds:
         if stepped != len(owners):
             self._tell(optimizer, "it also steps parameters outside the backend's models")
             return None
-        device, made = params[0].device, []
-        if isinstance(optimizer, ADAM):
+        device, made, adam = params[0].device, [], isinstance(optimizer, ADAM)
+        if adam:
             states = list(map(optimizer.state.__getitem__, params))  # a defaultdict: it adds them
             for p, state in zip(params, states):
                 if not state:  # as torch's fused Adam makes it at a parameter's first step
@@ -170,9 +170,8 @@ class UpdateFolds:
             first = self._scalar(("first", device), torch.float32, device)
             first.fill_(1.0 if new else 0.0)
             tensors = [*params, *(state["momentum_buffer"] for _, state in moving), first]
-        numbers, flags = _HYPER[type(optimizer)]
         for i, group in enumerate(param_groups):  # device tensors: a scheduler changes them (OneCycleLR)
-            for name in numbers:
+            for name in _NUMBERS[adam]:
                 kept = self._scalar((name, i, device), torch.float64, device)
                 tensors.append(kept.fill_(_number(group, name)))
         scale = getattr(optimizer, "grad_scale", None)  # a GradScaler's, set around optimizer.step()
@@ -181,8 +180,8 @@ class UpdateFolds:
         zero = self._scalar(("zero", device), torch.float32, device, 0.0)
         tensors.append(one if scale is None else torch.reciprocal(scale.to(torch.float32)))
         tensors.append(zero if found_inf is None else found_inf.to(torch.float32))
-        kinds = tuple(tuple(flag(optimizer, group) for flag in flags) for group in param_groups)
-        return Update((isinstance(optimizer, ADAM), kinds, tuple(groups)), tensors, made)
+        kinds = tuple(_kinds(optimizer, group) for group in param_groups)
+        return Update((adam, kinds, tuple(groups)), tensors, made)
 
     def _tell(self, optimizer: torch.optim.Optimizer, why: str) -> None:
         """Say once per optimizer why its update runs in its own step, after the policy."""
@@ -240,26 +239,20 @@ def _moves(group: dict) -> bool:
     return group["momentum"] != 0
 
 
-# per class: the hyperparameters the program takes as device tensors, each group's, and what of
-# a group its code depends on (Python values, in the program's key)
-_HYPER = {
-    cls: (
-        ("lr", "beta1", "beta2", "eps", "weight_decay"),
-        (
-            lambda optimizer, group: _decays(group),
-            lambda optimizer, group: isinstance(optimizer, torch.optim.AdamW) or group["decoupled_weight_decay"],
-        ),
-    )
-    for cls in ADAM
+def _kinds(optimizer: torch.optim.Optimizer, group: dict) -> tuple[bool, ...]:
+    """What of ``group`` the program's code depends on (Python values, in its key): for Adam(W)
+    whether it decays the weights and whether decoupled; for SGD whether it keeps momentum
+    buffers, Nesterov, and whether it decays."""
+    if isinstance(optimizer, ADAM):
+        return _decays(group), isinstance(optimizer, torch.optim.AdamW) or group["decoupled_weight_decay"]
+    return _moves(group), bool(group["nesterov"]), _decays(group)
+
+
+# the hyperparameters the program takes as device tensors, each group's: Adam(W)'s, SGD's
+_NUMBERS = {
+    True: ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    False: ("lr", "momentum", "dampening", "weight_decay"),
 }
-_HYPER[torch.optim.SGD] = (
-    ("lr", "momentum", "dampening", "weight_decay"),
-    (
-        lambda optimizer, group: _moves(group),
-        lambda optimizer, group: bool(group["nesterov"]),
-        lambda optimizer, group: _decays(group),
-    ),
-)
 
 
 def record(
@@ -270,7 +263,7 @@ def record(
     ``replay`` (:meth:`~fxgrad.passes.record.GraphRecorder.replay`); the pairs ``(tensor,
     new value)`` the program writes back, gradients included."""
     adam, kinds, groups = key
-    n, width = len(grads), 5 if adam else 4
+    n, width = len(grads), len(_NUMBERS[adam])
     params, writes = inputs[:n], []
     hyper, (inverse, found_inf) = inputs[-2 - width * len(kinds) : -2], inputs[-2:]
     numbers = [hyper[i * width : (i + 1) * width] for i in range(len(kinds))]  # each group's
