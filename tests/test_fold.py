@@ -107,6 +107,8 @@ SCOPES = ["step", "graph"]
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_folded_global_clip_equals_clip_grad_norm_then_the_fused_step(name, scope):
+    """Graph scope hands the factor to torch's fused update (``grad_scale``); step scope's
+    program runs the update itself, with the factor."""
     torch.manual_seed(0)
     model, expected = mlp(), None
     expected = copy.deepcopy(model)
@@ -116,7 +118,9 @@ def test_folded_global_clip_equals_clip_grad_norm_then_the_fused_step(name, scop
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
     expected_optimizer = OPTIMIZERS[name](groups(expected), fused=True)
     expected_scheduler = torch.optim.lr_scheduler.StepLR(expected_optimizer, step_size=5, gamma=0.5)
-    train(model, optimizer, STEPS, backend=backend, scheduler=scheduler)
+    with fused_calls() as calls:
+        train(model, optimizer, STEPS, backend=backend, scheduler=scheduler)
+    assert bool(calls) == (scope == "graph")
     train(
         expected, expected_optimizer, STEPS, reference=lambda m: ref.clip_global(m, 0.05), scheduler=expected_scheduler
     )
@@ -187,18 +191,19 @@ def test_a_grad_scaler_the_backend_does_not_know_is_reported_for_a_fused_optimiz
 
 
 @pytest.mark.parametrize(
-    "policy, reference, program_updates",
+    "policy, reference, scope, program_updates",
     [
-        (fxgrad.clip_by_global_norm(0.05), lambda m: ref.clip_global(m, 0.05), False),
-        (fxgrad.clip_by_norm(0.02), lambda m: ref.clip_per_layer(m, 0.02), True),
+        (fxgrad.clip_by_global_norm(0.05), lambda m: ref.clip_global(m, 0.05), "graph", False),
+        (fxgrad.clip_by_global_norm(0.05), lambda m: ref.clip_global(m, 0.05), "step", True),
+        (fxgrad.clip_by_norm(0.02), lambda m: ref.clip_per_layer(m, 0.02), "step", True),
     ],
-    ids=["grad_scale", "step-program-update"],
+    ids=["grad_scale", "global-in-the-step-program", "per-layer-in-the-step-program"],
 )
-def test_optimizer_state_dict_round_trip_keeps_folding(policy, reference, program_updates):
+def test_optimizer_state_dict_round_trip_keeps_folding(policy, reference, scope, program_updates):
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
-    backend = fxgrad.backend(policy, compiler="aot_eager", scope="step")
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
     backend.fold(optimizer)
     train(model, optimizer, 10, backend=backend)
@@ -453,7 +458,10 @@ def test_two_optimizers_over_one_model_fold_both_or_are_refused(scope):
     optimizers = split(model)
     for optimizer in optimizers:
         backend.fold(optimizer)
-    run(model, optimizers, backend)
+    with fused_calls() as calls, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        run(model, optimizers, backend)
+    assert calls  # the step program runs one optimizer's update only: grad_scale carries the factor
     run(expected, split(expected))
     assert_same_weights(model, expected)
 
@@ -463,6 +471,30 @@ def test_two_optimizers_over_one_model_fold_both_or_are_refused(scope):
     backend.fold(optimizers[0])
     with pytest.raises(ValueError, match="is not folded while 1 other optimizer"):
         run(model, optimizers, backend)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_step_the_program_cannot_run_folds_into_grad_scale_silently(name):
+    """A step hook of the user's keeps the optimizer's own update (the hook would find no
+    parameter group): in step scope the global factor then rides in ``grad_scale``, exact."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")
+    optimizer = OPTIMIZERS[name](groups(model), fused=True)
+    backend.fold(optimizer)
+    seen = []
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: seen.append(len(opt.param_groups)))
+    expected_optimizer = OPTIMIZERS[name](groups(expected), fused=True)
+    schedulers = [
+        torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) for opt in (optimizer, expected_optimizer)
+    ]
+    with fused_calls() as calls, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        train(model, optimizer, STEPS, backend=backend, scheduler=schedulers[0])
+    assert calls and set(seen) == {2}
+    train(expected, expected_optimizer, STEPS, reference=lambda m: ref.clip_global(m, 0.05), scheduler=schedulers[1])
+    assert_same_weights(model, expected)
 
 
 @pytest.mark.parametrize("scope", SCOPES)
@@ -595,13 +627,20 @@ def test_a_fold_that_falls_back_leaves_the_optimizer_to_another_backend():
     assert folded.folded_into() == [optimizer]
 
 
-def test_explain_says_the_gradients_are_folded():
+@pytest.mark.parametrize(
+    "scope, said",
+    [
+        ("graph", "folded into AdamW: its update applies the global factor"),
+        ("step", "folded into AdamW: the step program runs AdamW's update"),
+    ],
+)
+def test_explain_says_the_gradients_are_folded(scope, said):
     model = mlp()
-    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     backend.fold(optimizer)
     table = fxgrad.explain(model, torch.randn(4, 8), backend=backend).table()
-    assert "folded into AdamW: its update applies the global factor" in table
+    assert said in table
 
 
 @pytest.mark.parametrize("scope", ["graph", "step"])

@@ -627,17 +627,20 @@ class Backend:
         before the factor: ``stats()["folded_factor"]`` is the factor and
         :meth:`scaled_grads` the gradients with it.
 
-        In step scope the norms are read at ``optimizer.step()``. In graph scope the
+        In step scope the norms are read at ``optimizer.step()``, by the step program, which
+        also runs the optimizer's update where it can (:mod:`fxgrad.frontend.update_program`:
+        neither ``amsgrad`` nor ``maximize``, no step hooks of others, one optimizer over the
+        models' parameters, no DTensors): the factor multiplies the update's inverse loss scale
+        as it would divide ``grad_scale``, and the optimizer's own ``step()`` updates nothing.
+        Where it cannot, ``grad_scale`` carries the factor. In graph scope the
         backward graph reads them and returns the gradients unscaled; call ``fold()``
         before the model's first forward (the graphs compiled before keep scaling),
         and run one backward per step through one graph: the step refuses more
         (``ValueError``: each backward had its own factor, which one ``grad_scale``
         cannot hold; accumulation and graph breaks need ``scope="step"``).
 
-        In step scope any other policy folds too, with the same optimizers (and neither
-        ``amsgrad`` nor ``maximize``): the step program runs their update on the gradients it
-        has just transformed, and their own ``step()`` then updates nothing
-        (:mod:`fxgrad.frontend.update_program`). Other combinations keep the scaling pass,
+        In step scope any other policy folds that way too: the step program runs the update on
+        the gradients it has just transformed. Other combinations keep the scaling pass,
         after one ``RuntimeWarning`` saying why; an optimizer other than those three raises.
         Several optimizers over one model (weights and biases apart, say) must all be folded:
         the step of one that is not raises ``ValueError``. So must one that replaces a folded
@@ -654,16 +657,19 @@ class Backend:
         # graphs compiled before the first fold apply the factor themselves; after it, they leave it
         compiled = any(graph.params for graph in self.registry.graphs) and not self._folds.graphs_leave_factor
         why = folding.fallback(optimizer, self.transform, scope, compiled)
-        if why is not None and scope == "step" and folding.per_layer(self.transform):
-            why = update_program.why_not(optimizer)
-            if why is None and self._update_factors is not None:
-                why = "the policy also scales updates (apply_to='update'), which the step program does not run"
-            if why is None:
+        if scope == "step" and (why is None or folding.per_layer(self.transform)):
+            runs = update_program.why_not(optimizer)
+            if runs is None and self._update_factors is not None:
+                runs = "the policy also scales updates (apply_to='update'), which the step program does not run"
+            if runs is None:  # a global factor too: the update in the program costs less than torch's step
                 folding.claim(optimizer, self)
-                self._updates.add(optimizer)
+                self._updates.add(optimizer, quiet=why is None)
+                if why is None:  # grad_scale carries it in a step the program cannot run
+                    self._folds.add(optimizer)
                 self._step.arm()
                 return
-            why += ": the step program applies the per-layer factors, and the optimizer steps as usual"
+            if why is not None:
+                why = f"{runs}: the step program applies the per-layer factors, and the optimizer steps as usual"
         if why is not None:  # this backend keeps its scaling pass, and leaves the optimizer to others
             warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning)
             return
@@ -675,7 +681,7 @@ class Backend:
     def folded_into(self) -> list[torch.optim.Optimizer]:
         """The optimizers :meth:`fold` folds into (while they live): those whose ``grad_scale``
         carries the global factor, then those whose update the step program runs."""
-        return self._folds.optimizers() + self._updates.optimizers()
+        return list(dict.fromkeys(self._folds.optimizers() + self._updates.optimizers()))
 
     def runs_update_of(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the step program runs ``optimizer``'s update (:meth:`fold` with per-layer factors)."""
@@ -753,8 +759,8 @@ class Backend:
         factors = self._folds.check_step(optimizer)  # first: a refused step keeps no weight copy
         if self._update_factors is not None:
             self._update_factors.before_step(optimizer)
-        if factors is not None:
-            self._folds.give_factor(optimizer, factors)
+        if factors is not None:  # none to give when the step program ran the update with the factor
+            self._folds.give_factor(optimizer, 0 if self._updates.updated(optimizer) else factors)
 
     def _check_scaler_given(self, optimizer: torch.optim.Optimizer, first_step: bool) -> None:
         """Say once per optimizer that a GradScaler steps it and the policy read the gradients the

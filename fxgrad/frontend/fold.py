@@ -47,7 +47,7 @@ from fxgrad.core import match
 from fxgrad.core.rule import Transform
 from fxgrad.core.warn import warn, warn_once
 from fxgrad.frontend.coverage import CoverageWarning
-from fxgrad.frontend.step_check import after_closure
+from fxgrad.frontend.step_check import hook_step
 
 FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # their fused update reads grad_scale
 
@@ -315,9 +315,7 @@ class Folds:
         if optimizer not in self._counts:
             self._graphs_leave_it = self._graphs_leave_it or self._in_graph()
             self._counts[optimizer] = self._applied[optimizer] = self._left()
-            # After the global hooks that give the factor (and after a closure, like them).
-            optimizer.register_step_pre_hook(after_closure(self._stepping))
-            optimizer.register_step_post_hook(torch.compiler.disable(self._stepped))
+            hook_step(optimizer, self._stepping, self._stepped)  # after the global hooks that give the factor
 
     def as_applied(self, params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
         """Each of ``params``' ``.grad`` as its optimizer's update applies it (no sync): times the

@@ -47,7 +47,7 @@ def rewrite_backward(
         return
     signature = passes.output_signature(gm)
     nodes = {name: [outputs[slot] for slot in slots] for name, slots in plan.slots.items()}
-    new = record_policy(gm, routes, nodes, store, scaler, params, frame, fold=fold)
+    new, _ = record_policy(gm, routes, nodes, store, scaler, params, frame, fold=fold)
     passes.replace_gradient_outputs(
         gm, {slot: node for name, slots in plan.slots.items() for slot, node in zip(slots, new[name])}
     )
@@ -64,16 +64,17 @@ def record_policy(
     frame: int = 0,
     fold: bool = False,
     per_step: bool = False,
-) -> dict[str, list[torch.fx.Node]]:
+) -> tuple[dict[str, list[torch.fx.Node]], torch.fx.Node | None]:
     """Record ``routes`` over the gradient nodes ``grads`` (layer -> its gradients' nodes)
-    before ``gm``'s output; the nodes holding each layer's new gradients, in the same order.
-    Recorded nodes whose values neither these nor a side effect use are left out.
-    ``per_step``: the step program (step scope), not a backward graph."""
+    before ``gm``'s output; the nodes holding each layer's new gradients, in the same order,
+    and with ``fold`` the node of the factor left to the optimizer. Recorded nodes whose values
+    neither these nor a side effect use are left out. ``per_step``: the step program (step
+    scope), not a backward graph."""
     values = [node.meta["val"] for nodes in grads.values() for node in nodes]
     recorder = GraphRecorder(gm, _compat.detect_fake_mode(values), _compat.inductor_decompositions())
     tensors = {name: [recorder.bind(node) for node in nodes] for name, nodes in grads.items()}
     with recorder.recording():
-        run_policy(
+        folded = run_policy(
             routes,
             tensors,
             store,
@@ -88,4 +89,4 @@ def record_policy(
         )
     results = {name: [recorder.node(tensor) for tensor in new] for name, new in tensors.items()}
     recorder.eliminate_dead_code(node for nodes in results.values() for node in nodes)
-    return results
+    return results, None if folded is None else recorder.node(folded)

@@ -365,9 +365,25 @@ class _GlobalHook:
             method(owner, optimizer)
 
 
-def global_hooks() -> int:
-    """How many of torch's global optimizer-step hooks are fxgrad's (0 to 2)."""
-    return _BEFORE.registered + _AFTER.registered
+def hook_step(
+    optimizer: torch.optim.Optimizer,
+    before: Callable[[torch.optim.Optimizer], None],
+    after: Callable[[torch.optim.Optimizer, tuple, dict], None],
+) -> None:
+    """Call ``before(optimizer)`` before each of ``optimizer``'s updates (:func:`after_closure`)
+    and ``after(optimizer, args, kwargs)`` after it, eagerly; :func:`foreign_hooks` leaves them out."""
+    optimizer.register_step_pre_hook(after_closure(before))
+    optimizer.register_step_post_hook(torch.compiler.disable(after))
+    _OWN_HOOKS[optimizer] = _OWN_HOOKS.get(optimizer, 0) + 2
+
+
+def foreign_hooks(optimizer: torch.optim.Optimizer) -> int:
+    """How many step hooks run around ``optimizer``'s update that are not fxgrad's."""
+    ours = _OWN_HOOKS.get(optimizer, 0) + _BEFORE.registered + _AFTER.registered
+    return _compat.optimizer_step_hooks(optimizer) - ours
+
+
+_OWN_HOOKS: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
 
 _BEFORE = _GlobalHook(lambda run: register_optimizer_step_pre_hook(after_closure(run)))

@@ -241,9 +241,9 @@ class StepPrograms:
         gm, inputs = _gradient_graph(owners, grads)
         lookup = lambda names: [self._weights[1][name] for name in names]  # noqa: E731
         with gc_paused(), norm_math.local_shards(group) if group is not None else contextlib.nullcontext():
-            new = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold, per_step=True)
+            new, folded = record_policy(gm, routes, inputs, store, scaler, lookup, fold=fold, per_step=True)
             if update is not None:
-                writes = _record_update(gm, inputs, new, update)
+                writes = _record_update(gm, inputs, new, update, folded)
             else:
                 writes = [pair for layer, nodes in inputs.items() for pair in zip(nodes, new[layer])]
         if self.keep_code:
@@ -318,9 +318,11 @@ def _record_update(
     inputs: dict[str, list[torch.fx.Node]],
     new: dict[str, list[torch.fx.Node]],
     update: Update,
+    folded: torch.fx.Node | None,
 ) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
     """Record ``update`` over the policy's results ``new`` for the gradient nodes ``inputs``,
-    taking its tensors as inputs after the gradients; the pairs ``(input, result)`` to write."""
+    taking its tensors as inputs after the gradients, and applying the factor ``folded`` the
+    policy left to it, if any; the pairs ``(input, result)`` to write."""
     graph = gm.graph
     grads = list(graph.find_nodes(op="placeholder"))  # in the order of the owners, as update's tensors
     result_of = {node: result for layer, nodes in inputs.items() for node, result in zip(nodes, new[layer])}
@@ -334,8 +336,9 @@ def _record_update(
     with recorder.recording():
         recorder.label = "update"
         fakes = [recorder.bind(node) for node in [*grads, *results, *extra]]
+        factor = recorder.bind(folded) if folded is not None else None
         n = len(grads)
-        pairs = update_program.record(update.key, recorder.replay, fakes[:n], fakes[n : 2 * n], fakes[2 * n :])
+        pairs = update_program.record(update.key, recorder.replay, fakes[:n], fakes[n : 2 * n], fakes[2 * n :], factor)
     return [(recorder.node(target), recorder.node(value)) for target, value in pairs]
 
 

@@ -41,10 +41,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from fxgrad import _compat
 from fxgrad.core.layers import Owner
 from fxgrad.core.warn import warn_once
-from fxgrad.frontend.step_check import after_closure, global_hooks
+from fxgrad.frontend.step_check import foreign_hooks, hook_step
 
 ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -89,7 +88,8 @@ class UpdateFolds:
 
     ``add(optimizer)`` once :func:`why_not` allows it; at each step, ``update(optimizer,
     owners)`` gives the step program its :class:`Update` (``None``: this step cannot fold,
-    and the optimizer steps as usual); ``ran(optimizer)`` after the program ran it. The
+    and the optimizer steps as usual, told once unless ``add(optimizer, quiet=True)``: its
+    ``grad_scale`` then carries the global factor); ``ran(optimizer)`` after the program ran it. The
     optimizer's own ``step()`` then finds no parameter group (they are set aside from the
     end of its pre-hooks to its post-hooks), so it updates nothing: the program updated every
     parameter it steps that has a gradient."""
@@ -100,7 +100,7 @@ class UpdateFolds:
         # its parameter groups, set aside during its step
         self._aside: weakref.WeakKeyDictionary[torch.optim.Optimizer, list] = weakref.WeakKeyDictionary()
         self._scalars: dict[tuple, torch.Tensor] = {}  # kept 0-dim inputs: learning rates, 1 and 0
-        self._told: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # see _tell
+        self._told: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # see _tell (quiet: added)
 
     def __contains__(self, optimizer: torch.optim.Optimizer) -> bool:
         return optimizer in self._folded
@@ -109,12 +109,14 @@ class UpdateFolds:
         """The optimizers whose update the step program runs (while they live)."""
         return list(self._folded)
 
-    def add(self, optimizer: torch.optim.Optimizer) -> None:
-        """Run ``optimizer``'s update in the step program from its next step on (again: a no-op)."""
+    def add(self, optimizer: torch.optim.Optimizer, quiet: bool = False) -> None:
+        """Run ``optimizer``'s update in the step program from its next step on (again: a no-op);
+        ``quiet``: a step that cannot is not told (another fold takes it)."""
         if optimizer not in self._folded:
             self._folded.add(optimizer)
-            optimizer.register_step_pre_hook(after_closure(self._set_aside))
-            optimizer.register_step_post_hook(torch.compiler.disable(self._put_back))
+            if quiet:
+                self._told.add(optimizer)
+            hook_step(optimizer, self._set_aside, self._put_back)
 
     def update(self, optimizer: torch.optim.Optimizer | None, owners: Sequence[Owner]) -> Update | None:
         """The update of ``optimizer`` over ``owners``' parameters, if it steps exactly those
@@ -126,7 +128,7 @@ class UpdateFolds:
         if why is not None:
             self._tell(optimizer, why)
             return None
-        foreign = _compat.optimizer_step_hooks(optimizer) - 2 - global_hooks()  # 2: set aside and put back
+        foreign = foreign_hooks(optimizer)
         if foreign:
             self._tell(
                 optimizer,
@@ -197,6 +199,10 @@ class UpdateFolds:
         """The program ran ``optimizer``'s update for the step beginning now."""
         self._ran.add(optimizer)
 
+    def updated(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the program ran ``optimizer``'s update for the step beginning now."""
+        return optimizer in self._ran
+
     def _scalar(self, key: tuple, dtype: torch.dtype, device: torch.device, value: float = 0.0) -> torch.Tensor:
         """The 0-dim input kept under ``key`` (made holding ``value``)."""
         kept = self._scalars.get(key)
@@ -256,16 +262,25 @@ _NUMBERS = {
 
 
 def record(
-    key: tuple, replay: Callable[..., Any], grads: Sequence[Any], new_grads: Sequence[Any], inputs: Sequence[Any]
+    key: tuple,
+    replay: Callable[..., Any],
+    grads: Sequence[Any],
+    new_grads: Sequence[Any],
+    inputs: Sequence[Any],
+    factor: Any = None,
 ) -> list[tuple[Any, Any]]:
     """Record the update :attr:`Update.key` describes, reading ``new_grads`` (the policy's
     results for ``grads``) and ``inputs`` (:attr:`Update.tensors`), all fake tensors, with
     ``replay`` (:meth:`~fxgrad.passes.record.GraphRecorder.replay`); the pairs ``(tensor,
-    new value)`` the program writes back, gradients included."""
+    new value)`` the program writes back, gradients included. ``factor``, the global factor
+    the policy left to the update (:mod:`fxgrad.frontend.fold`), multiplies the inverse loss
+    scale, as it divides a fused optimizer's ``grad_scale``."""
     adam, kinds, groups = key
     n, width = len(grads), len(_NUMBERS[adam])
     params, writes = inputs[:n], []
     hyper, (inverse, found_inf) = inputs[-2 - width * len(kinds) : -2], inputs[-2:]
+    if factor is not None:
+        inverse = inverse * factor.to(torch.float32)
     numbers = [hyper[i * width : (i + 1) * width] for i in range(len(kinds))]  # each group's
     if adam:
         exp_avgs, exp_avg_sqs, steps = inputs[n : 2 * n], inputs[2 * n : 3 * n], inputs[3 * n : 4 * n]

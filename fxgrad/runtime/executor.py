@@ -52,8 +52,9 @@ def run_policy(
     fold: bool = False,
     per_step: bool = False,
     replay: Callable[..., Any] = norm_math.call,
-) -> None:
-    """Apply ``routes`` to ``grads`` (layer name -> its gradients, replaced in place).
+) -> torch.Tensor | None:
+    """Apply ``routes`` to ``grads`` (layer name -> its gradients, replaced in place); with
+    ``fold``, return the factor left to the optimizer (0-dim, float64 or float32), else ``None``.
 
     Loads the loss scale and state, runs the routes, and saves the statistics.
     ``params(names)`` returns the parameters with those qualified names (for
@@ -71,15 +72,17 @@ def run_policy(
     executor = Executor(grads, graph, set_label)
     executor.run(routes)
     set_label("statistics")
+    folded = None
     if fold:
-        folded = executor.folded
-        graph.emit(["folded_factor"], folded if isinstance(folded, torch.Tensor) else torch.ones((), device=device), -1)
+        folded = executor.folded if isinstance(executor.folded, torch.Tensor) else torch.ones((), device=device)
+        graph.emit(["folded_factor"], folded, -1)
     if executor.on_update:
         layers = list(executor.on_update)
         factors = executor.on_update.values()
         values = flat(f if isinstance(f, torch.Tensor) else torch.full((), f, device=device) for f in factors)
         graph.emit([f"update_factor/{layer}" for layer in layers], values, -1, [("update_factor", n) for n in layers])
     graph.finish()
+    return folded
 
 
 class Executor:
