@@ -328,3 +328,32 @@ def test_sgd_with_a_tensor_momentum_keeps_its_own_step():
     with pytest.warns(RuntimeWarning, match=r"momentum given as a tensor .*: the step program applies the per-layer"):
         backend.fold(optimizer)
     assert backend.folded_into() == []
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
+def test_a_resume_into_the_folded_optimizer_itself_updates_the_loaded_state(name):
+    """``load_state_dict`` on the folded optimizer (a resume in place) gives it new state tensors:
+    the program updates those, not the ones it read at the steps before."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    optimizer, expected_optimizer = OPTIMIZERS[name](groups(model)), OPTIMIZERS[name](groups(expected))
+    backend.fold(optimizer)
+    for opt, m, kwargs in [
+        (optimizer, model, {"backend": backend}),
+        (expected_optimizer, expected, {"reference": lambda m: ref.clip_per_layer(m, 0.02)}),
+    ]:
+        train(m, opt, 4, **kwargs)
+        saved = copy.deepcopy(opt.state_dict())
+        train(m, opt, 3, **kwargs)
+        opt.load_state_dict(saved)
+        with fused_calls() as calls:
+            train(m, opt, 3, **kwargs)
+        assert bool(calls) == (opt is expected_optimizer)
+    assert_same_weights(model, expected, rtol=1e-5)  # momentum's rounding: see the test above
+    for p, expected_p in zip(model.parameters(), expected.parameters()):
+        state, expected_state = optimizer.state[p], expected_optimizer.state[expected_p]
+        for key, value in expected_state.items():  # as the test above compares them
+            atol = 1e-4 * value.abs().max().item()
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=atol, msg=key)

@@ -100,6 +100,8 @@ class UpdateFolds:
         # its parameter groups, set aside during its step
         self._aside: weakref.WeakKeyDictionary[torch.optim.Optimizer, list] = weakref.WeakKeyDictionary()
         self._scalars: dict[tuple, torch.Tensor] = {}  # kept 0-dim inputs: learning rates, 1 and 0
+        self._values: dict[tuple, float | None] = {}  # ... the number each holds (None: a tensor's)
+        self._layouts: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Layout] = weakref.WeakKeyDictionary()
         self._told: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # see _tell (quiet: added)
 
     def __contains__(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -136,22 +138,49 @@ class UpdateFolds:
                 "the learning rate after the update, and a hook would find no parameter group",
             )
             return None
+        param_groups = optimizer.param_groups
+        layout = self._layouts.get(optimizer)
+        if layout is None or not layout.holds(owners, optimizer):
+            layout = self._layout(optimizer, owners)
+            if layout is None:
+                return None
+        if any(p.grad is not None for p in layout.outside):
+            self._tell(optimizer, "it also steps parameters outside the backend's models")
+            return None
+        device, adam = layout.device, isinstance(optimizer, ADAM)
+        tensors = list(layout.tensors)
+        if not adam:
+            tensors.append(self._scalar(("first", device), torch.float32, device, 1.0 if layout.made else 0.0))
+        for i, group in enumerate(param_groups):  # device tensors: a scheduler changes them (OneCycleLR)
+            for name in _NUMBERS[adam]:
+                tensors.append(self._scalar((name, i, device), torch.float64, device, _number(group, name)))
+        scale = getattr(optimizer, "grad_scale", None)  # a GradScaler's, set around optimizer.step()
+        found_inf = getattr(optimizer, "found_inf", None)
+        one = self._scalar(("one", device), torch.float32, device, 1.0)
+        zero = self._scalar(("zero", device), torch.float32, device, 0.0)
+        tensors.append(one if scale is None else torch.reciprocal(scale.to(torch.float32)))
+        tensors.append(zero if found_inf is None else found_inf.to(torch.float32))
+        kinds = tuple(_kinds(optimizer, group) for group in param_groups)
+        return Update((adam, kinds, layout.groups), tensors, layout.made)
+
+    def _layout(self, optimizer: torch.optim.Optimizer, owners: Sequence[Owner]) -> _Layout | None:
+        """What the update reads of ``optimizer`` over ``owners``' parameters, its state started
+        where the parameter has none yet (kept for the next steps when it had); ``None``, told
+        why unless torch's own step must start the state, when the program cannot run it."""
         params = list(map(_TENSOR, owners))
         if any(isinstance(p, DTensor) for p in params):
             self._tell(optimizer, "the parameters are DTensors (FSDP2, tensor parallelism)")
             return None
         param_groups = optimizer.param_groups
         group_of = {id(p): i for i, group in enumerate(param_groups) for p in group["params"]}
-        groups = [group_of.get(id(p), -1) for p in params]
-        stepped = sum(p.grad is not None for group in param_groups for p in group["params"])
+        groups = tuple(group_of.get(id(p), -1) for p in params)
         if -1 in groups:
             self._tell(optimizer, "another optimizer steps some of the models' parameters")
             return None
-        if stepped != len(owners):
-            self._tell(optimizer, "it also steps parameters outside the backend's models")
-            return None
-        device, made, adam = params[0].device, [], isinstance(optimizer, ADAM)
-        if adam:
+        ours = set(map(id, params))
+        outside = [p for group in param_groups for p in group["params"] if id(p) not in ours]
+        made: list[tuple[dict, tuple[str, ...]]] = []
+        if isinstance(optimizer, ADAM):
             states = list(map(optimizer.state.__getitem__, params))  # a defaultdict: it adds them
             for p, state in zip(params, states):
                 if not state:  # as torch's fused Adam makes it at a parameter's first step
@@ -169,21 +198,13 @@ class UpdateFolds:
                 if new:  # the program starts them at the gradient (first = 1), as torch's first step does
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     made.append((state, ("momentum_buffer",)))
-            first = self._scalar(("first", device), torch.float32, device)
-            first.fill_(1.0 if new else 0.0)
-            tensors = [*params, *(state["momentum_buffer"] for _, state in moving), first]
-        for i, group in enumerate(param_groups):  # device tensors: a scheduler changes them (OneCycleLR)
-            for name in _NUMBERS[adam]:
-                kept = self._scalar((name, i, device), torch.float64, device)
-                tensors.append(kept.fill_(_number(group, name)))
-        scale = getattr(optimizer, "grad_scale", None)  # a GradScaler's, set around optimizer.step()
-        found_inf = getattr(optimizer, "found_inf", None)
-        one = self._scalar(("one", device), torch.float32, device, 1.0)
-        zero = self._scalar(("zero", device), torch.float32, device, 0.0)
-        tensors.append(one if scale is None else torch.reciprocal(scale.to(torch.float32)))
-        tensors.append(zero if found_inf is None else found_inf.to(torch.float32))
-        kinds = tuple(_kinds(optimizer, group) for group in param_groups)
-        return Update((adam, kinds, tuple(groups)), tensors, made)
+            tensors = [*params, *(state["momentum_buffer"] for _, state in moving)]
+        layout = _Layout(owners, param_groups, _shape(optimizer), optimizer.state, groups, outside, tensors, made)
+        if made:  # the step may not run it (unused() drops the state): look again next time
+            self._layouts.pop(optimizer, None)
+        else:
+            self._layouts[optimizer] = layout
+        return layout
 
     def _tell(self, optimizer: torch.optim.Optimizer, why: str) -> None:
         """Say once per optimizer why its update runs in its own step, after the policy."""
@@ -203,11 +224,16 @@ class UpdateFolds:
         """Whether the program ran ``optimizer``'s update for the step beginning now."""
         return optimizer in self._ran
 
-    def _scalar(self, key: tuple, dtype: torch.dtype, device: torch.device, value: float = 0.0) -> torch.Tensor:
-        """The 0-dim input kept under ``key`` (made holding ``value``)."""
+    def _scalar(
+        self, key: tuple, dtype: torch.dtype, device: torch.device, value: float | torch.Tensor
+    ) -> torch.Tensor:
+        """The 0-dim input kept under ``key``, holding ``value`` (filled when it changed)."""
         kept = self._scalars.get(key)
         if kept is None:
-            kept = self._scalars[key] = torch.full((), value, dtype=dtype, device=device)
+            kept = self._scalars[key] = torch.empty((), dtype=dtype, device=device)
+        if isinstance(value, torch.Tensor) or self._values.get(key) != value:
+            kept.fill_(value)
+            self._values[key] = value if not isinstance(value, torch.Tensor) else None
         return kept
 
     def _set_aside(self, optimizer: torch.optim.Optimizer) -> None:
@@ -222,6 +248,42 @@ class UpdateFolds:
         groups = self._aside.pop(optimizer, None)
         if groups is not None:
             optimizer.param_groups = groups
+
+
+@dataclasses.dataclass
+class _Layout:
+    """What one optimizer's update reads over the owners of one step (see
+    :meth:`UpdateFolds._layout`), and what it was read from: a later step with the same owners
+    list, parameter groups (their lists of parameters) and state dict (as many entries) reads
+    the same. Replacing a tensor inside a parameter's state by hand goes unseen: torch's
+    ``load_state_dict`` makes a new state dict."""
+
+    owners: Sequence[Owner]
+    param_groups: list[dict]
+    shape: tuple
+    state: dict
+    groups: tuple[int, ...]  # each owner's parameter group
+    outside: list[torch.Tensor]  # parameters the optimizer steps that are not the owners'
+    tensors: list[torch.Tensor]  # the weights, then their state
+    made: list[tuple[dict, tuple[str, ...]]]  # state it started: (a parameter's state, keys)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    def holds(self, owners: Sequence[Owner], optimizer: torch.optim.Optimizer) -> bool:
+        groups = optimizer.param_groups
+        return (
+            owners is self.owners
+            and groups is self.param_groups
+            and optimizer.state is self.state
+            and _shape(optimizer) == self.shape
+        )
+
+
+def _shape(optimizer: torch.optim.Optimizer) -> tuple:
+    """Each parameter group's list of parameters (by identity and length), and the state's size."""
+    return len(optimizer.state), *((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
 
 
 _TENSOR = operator.attrgetter("tensor")
