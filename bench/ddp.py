@@ -12,7 +12,8 @@
   runs on the averaged gradient as one compiled program (equal to one process on
   the whole batch);
 * ``fold`` (with ``--optimizer adamw-fused``, for policies of one global factor): exact,
-  with ``backend.fold(optimizer)``: the factor rides in the fused update's ``grad_scale``.
+  with ``backend.fold(optimizer)``: the step program runs the update with the factor (under
+  FSDP2's DTensors the factor rides in the fused update's ``grad_scale``).
 
 With ``--fsdp2`` each block and the model are ``fully_shard``-ed instead (FSDP2,
 gradients sharded on dim 0) and compiled whole; there is no ``local``, and

@@ -159,8 +159,8 @@ OPTIMIZERS = {
 
 def fold_scopes(transform: fxgrad.Transform, optimizer_name: str) -> tuple[str, ...]:
     """The scopes in which ``backend.fold`` folds the policy into the optimizer ``optimizer_name``:
-    a single global factor into a fused optimizer's ``grad_scale`` (both scopes), other factors
-    into the update the step program runs (step scope)."""
+    any into the update the step program runs (step scope), a single global factor also into
+    a fused optimizer's ``grad_scale`` (graph scope)."""
     leaves = transform.leaves()
     if not optimizer_name.endswith("-fused"):
         return ()

@@ -14,10 +14,10 @@ compilation excluded:
 * ``hooks rescale`` (with the rescale policy): module backward hooks under
   compiled autograd, as the rescaling article writes it;
 * ``fxgrad fold <policy>`` (with ``--optimizer adamw-fused``): step scope with
-  ``backend.fold(optimizer)``; a policy of one global factor leaves it to the fused
-  update's ``grad_scale``, any other runs in one step program with the update;
+  ``backend.fold(optimizer)``: the policy runs in one step program with the update;
   ``fxgrad fold <policy> graph`` (one global factor): the same in graph scope (the
-  backward reads the norms and returns the gradients unscaled).
+  backward reads the norms and returns the gradients unscaled, the factor rides in the
+  fused update's ``grad_scale``).
 
 Each variant's gradients after its first step (policy applied) must equal those of the
 same policy in eager PyTorch (``fxgrad`` and ``fxgrad step`` against ``eager``,

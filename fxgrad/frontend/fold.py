@@ -5,11 +5,13 @@ every gradient by one number: one more read and write of every gradient, after
 the last one exists. torch's fused optimizers (``Adam``, ``AdamW`` and ``SGD``
 with ``fused=True``) already divide each gradient by ``optimizer.grad_scale``
 inside their update (``GradScaler`` sets it to the loss scale), so the factor
-can ride there for free: ``grad_scale = loss_scale / factor``. Step scope then
-reads the norms once and writes nothing; the update applies the factor. In graph
-scope the backward graph reads the norms where it produces the gradients and
-returns them unscaled, if one backward through one graph makes each step's
-gradient (the step refuses more: each backward had a factor of its own).
+can ride there for free: ``grad_scale = loss_scale / factor``. In graph scope the
+backward graph reads the norms where it produces the gradients and returns them
+unscaled, if one backward through one graph makes each step's gradient (the step
+refuses more: each backward had a factor of its own); the update applies the
+factor. In step scope the step program reads the norms and runs the update itself
+(:mod:`fxgrad.frontend.update_program`), the factor multiplying its inverse loss
+scale; ``grad_scale`` carries it in a step the program cannot run the update of.
 
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), scope="step")
     model = torch.compile(model, backend=backend)
@@ -20,8 +22,8 @@ While folded, ``.grad`` holds the gradient *before* the factor between
 ``backward()`` and ``optimizer.step()`` (the fused update writes the
 multiplied gradient back to ``.grad``); ``backend.stats()["folded_factor"]``
 is the factor and :meth:`fxgrad.Backend.scaled_grads` the gradients with it,
-with no sync. In step scope a policy with other factors folds another way: the step
-program runs the optimizer's update (:mod:`fxgrad.frontend.update_program`). Every other
+with no sync. In step scope a policy with other factors folds the same way, the step
+program running the optimizer's update. Every other
 combination runs the policy as before, after one warning that says why
 (docs/performance.md, "The optimizer fold").
 

@@ -1,11 +1,13 @@
 """The optimizer's update inside the step program: per-layer factors folded.
 
 A fused optimizer takes one ``grad_scale`` per call, so only a single global factor
-folds there (:mod:`fxgrad.frontend.fold`). A policy with per-layer factors (``rescale``,
-``clip_by_norm``, AGC, ...) or any other per-gradient transform folds in step scope
-another way: the step program that runs the policy also runs the update of torch's
-fused ``Adam``, ``AdamW`` or ``SGD``, on the gradient it has just transformed, in the
-same loops. The norms are read once; the scaled gradient is never a pass of its own.
+folds there (:mod:`fxgrad.frontend.fold`). In step scope any policy folds another way,
+per-layer factors (``rescale``, ``clip_by_norm``, AGC, ...) and per-gradient transforms
+included: the step program that runs the policy also runs the update of torch's fused
+``Adam``, ``AdamW`` or ``SGD``, on the gradient it has just transformed, in the same
+loops. The norms are read once; the scaled gradient is never a pass of its own. A global
+factor multiplies the update's inverse loss scale, as it would divide ``grad_scale``
+(measured cheaper than torch's own fused step after the program: docs/performance.md).
 The program writes the weights, the optimizer's state (``exp_avg``, ``exp_avg_sq`` and
 ``step``; ``momentum_buffer``) and the transformed gradient to ``.grad``, where torch's
 fused update would; the optimizer's own ``step()`` then finds no parameter group to
