@@ -158,6 +158,24 @@ def test_step_scope_reports_the_step_program():
     assert [p.grad for p in model.parameters()] == grads  # put back
 
 
+def test_a_folded_step_program_shows_the_update_in_its_kernel():
+    """With ``backend.fold(optimizer)`` the step program runs the optimizer's update: explain runs
+    it once on a fresh copy of the optimizer, puts the weights back, and the one kernel holds the
+    norms, the statistics and the update, which applies the factor (no "scale gradients")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    weights = [p.detach().clone() for p in model.parameters()]
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), scope="step")
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    backend.fold(optimizer)
+    report = fxgrad.explain(model, torch.randn(4, 8), backend=backend, kernels=True)
+    (kernel,) = report.kernels[-1].kernels
+    assert kernel.labels[-2:] == ("statistics", "update")
+    assert "scale gradients" not in kernel.labels
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert not optimizer.state  # the copy's state was started, not the optimizer's
+
+
 def test_a_combo_kernel_is_given_the_nodes_of_its_fused_parts():
     """A combo kernel's sub-kernel that Inductor fused first is a scheduler node without an IR
     node of its own, which torch's provenance recorder skips (on a GPU its nodes were reported

@@ -161,8 +161,10 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
 
     ``kernels=True`` also reports which Inductor kernels compute fxgrad's nodes
     (``report.kernels``, ``report.kernels_table()``): per backward graph, and in step
-    scope per compiled step program (run once on the gradients of this backward),
-    each kernel launch in order with its fxgrad nodes and its number of model nodes.
+    scope per compiled step program (run once on the gradients of this backward; with
+    an optimizer :meth:`~fxgrad.Backend.fold` folds its update into, the program with that
+    update, run on a fresh copy of the optimizer, the weights copied and put back), each
+    kernel launch in order with its fxgrad nodes and its number of model nodes.
     The run compiles with Inductor even when ``backend`` has ``compiler="aot_eager"``
     (the policy's nodes are the same; only Inductor makes kernels), without
     Inductor's FX graph cache, so that every graph is lowered and its kernels traced::
@@ -207,8 +209,17 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
             step_scope = None
             if probe.transform is not None and probe.current_scope() == "step":
                 step_scope = step_routes(probe.transform, [(model, "")], probe.skip, probe.registry.forward_order())[1]
-                with collector.step_program() if collector is not None else contextlib.nullcontext():
-                    probe.transform_grads(model)  # on this backward's gradients; _restored puts .grad back
+                update = _update_copy(backend, model)
+                with (
+                    collector.step_program() if collector is not None else contextlib.nullcontext(),
+                    _weights_restored(model) if update is not None else contextlib.nullcontext(),
+                ):
+                    if update is None:
+                        probe.transform_grads(model)  # on this backward's gradients; _restored puts .grad back
+                    else:  # the program the folded step runs, with the optimizer's update
+                        probe.fold(update)
+                        probe._meet(model, at_step=True)
+                        probe._apply_to_grads([(model, "")], None, optimizer=update)
         finally:
             probe.retire()
             untrack_wrapper(model, compiled)
@@ -322,6 +333,29 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors(item)
+
+
+def _update_copy(backend: Backend, model: nn.Module) -> torch.optim.Optimizer | None:
+    """A fresh copy (no state) of the optimizer over ``model``'s parameters whose update
+    ``backend``'s step program runs (``backend.fold``), if there is one."""
+    ours = {id(p) for p in model.parameters()}
+    for optimizer in backend.folded_into():
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        if backend.runs_update_of(optimizer) and any(id(p) in ours for p in stepped):
+            return type(optimizer)([{**group, "params": list(group["params"])} for group in optimizer.param_groups])
+    return None
+
+
+@contextlib.contextmanager
+def _weights_restored(model: nn.Module) -> Iterator[None]:
+    """Put ``model``'s weights back on exit (a copy of them meanwhile)."""
+    saved = [(p, p.detach().clone()) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in saved:
+                p.copy_(value)
 
 
 class _restored:
