@@ -289,7 +289,7 @@ class Folds:
         self._counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         # ... and as of the last update that applied a factor (after the step: see as_applied)
         self._applied: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-        # its param groups' sizes as last checked, why grad_scale cannot carry the factor then (None:
+        # its param groups' parameters as last checked, why grad_scale cannot carry the factor then (None:
         # it can), and the ids of the backend's parameters then
         self._checks: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple] = weakref.WeakKeyDictionary()
         self._given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # this step, by the policy
@@ -361,8 +361,9 @@ class Folds:
         self._given.add(optimizer)
         if not factors:
             return
-        # add_param_group changes it, and load_state_dict can unset a group's fused (a plain AdamW's checkpoint)
-        shape = tuple((len(group["params"]), bool(group.get("fused"))) for group in optimizer.param_groups)
+        # add_param_group changes it, so does a parameter put in a group's list, and load_state_dict can
+        # unset a group's fused (a plain AdamW's checkpoint)
+        shape = tuple((tuple(map(id, group["params"])), bool(group.get("fused"))) for group in optimizer.param_groups)
         checked = self._checks.get(optimizer)
         if checked is None or checked[0] != shape:
             ours = self._ours()

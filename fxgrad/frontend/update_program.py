@@ -141,18 +141,23 @@ class UpdateFolds:
             )
             return None
         param_groups = optimizer.param_groups
+        stepped = tuple(tuple(map(id, group["params"])) for group in param_groups)
         layout = self._layouts.get(optimizer)
-        if layout is None or not layout.holds(owners, optimizer):
-            layout = self._layout(optimizer, owners)
+        if layout is None or layout.owners is not owners or layout.stepped != stepped:
+            layout = self._layout(optimizer, owners, stepped)
             if layout is None:
                 return None
         if any(p.grad is not None for p in layout.outside):
             self._tell(optimizer, "it also steps parameters outside the backend's models")
             return None
-        device, adam = layout.device, isinstance(optimizer, ADAM)
-        tensors = list(layout.tensors)
+        adam = isinstance(optimizer, ADAM)
+        read = _state(optimizer, layout)
+        if read is None:
+            return None  # some momentum buffers are new: torch's own step starts them
+        tensors, made = read
+        device = layout.params[0].device
         if not adam:
-            tensors.append(self._scalar(("first", device), torch.float32, device, 1.0 if layout.made else 0.0))
+            tensors.append(self._scalar(("first", device), torch.float32, device, 1.0 if made else 0.0))
         for i, group in enumerate(param_groups):  # device tensors: a scheduler changes them (OneCycleLR)
             for name in _NUMBERS[adam]:
                 tensors.append(self._scalar((name, i, device), torch.float64, device, _number(group, name)))
@@ -163,12 +168,14 @@ class UpdateFolds:
         tensors.append(one if scale is None else torch.reciprocal(scale.to(torch.float32)))
         tensors.append(zero if found_inf is None else found_inf.to(torch.float32))
         kinds = tuple(_kinds(optimizer, group) for group in param_groups)
-        return Update((adam, kinds, layout.groups), tensors, layout.made)
+        return Update((adam, kinds, layout.groups), tensors, made)
 
-    def _layout(self, optimizer: torch.optim.Optimizer, owners: Sequence[Owner]) -> _Layout | None:
-        """What the update reads of ``optimizer`` over ``owners``' parameters, its state started
-        where the parameter has none yet (kept for the next steps when it had); ``None``, told
-        why unless torch's own step must start the state, when the program cannot run it."""
+    def _layout(
+        self, optimizer: torch.optim.Optimizer, owners: Sequence[Owner], stepped: tuple[tuple[int, ...], ...]
+    ) -> _Layout | None:
+        """Where ``owners``' parameters sit in ``optimizer``'s parameter groups (``stepped``: the
+        ids of the parameters it steps, in order), kept for the next steps; ``None``, told why,
+        when the program cannot run its update."""
         params = list(map(_TENSOR, owners))
         if any(isinstance(p, DTensor) for p in params):
             self._tell(optimizer, "the parameters are DTensors (FSDP2, tensor parallelism)")
@@ -181,31 +188,7 @@ class UpdateFolds:
             return None
         ours = set(map(id, params))
         outside = [p for group in param_groups for p in group["params"] if id(p) not in ours]
-        made: list[tuple[dict, tuple[str, ...]]] = []
-        if isinstance(optimizer, ADAM):
-            states = list(map(optimizer.state.__getitem__, params))  # a defaultdict: it adds them
-            for p, state in zip(params, states):
-                if not state:  # as torch's fused Adam makes it at a parameter's first step
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    made.append((state, ("step", "exp_avg", "exp_avg_sq")))
-            tensors = [*params, *map(_EXP_AVG, states), *map(_EXP_AVG_SQ, states), *map(_STEP, states)]
-        else:
-            moving = [(p, optimizer.state[p]) for p, g in zip(params, groups) if _moves(param_groups[g])]
-            new = sum("momentum_buffer" not in state for _, state in moving)
-            if new not in (0, len(moving)):
-                return None  # some buffers are new: torch's own step starts them
-            for p, state in moving:
-                if new:  # the program starts them at the gradient (first = 1), as torch's first step does
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    made.append((state, ("momentum_buffer",)))
-            tensors = [*params, *(state["momentum_buffer"] for _, state in moving)]
-        layout = _Layout(owners, param_groups, _shape(optimizer), optimizer.state, groups, outside, tensors, made)
-        if made:  # the step may not run it (unused() drops the state): look again next time
-            self._layouts.pop(optimizer, None)
-        else:
-            self._layouts[optimizer] = layout
+        layout = self._layouts[optimizer] = _Layout(owners, stepped, params, groups, outside)
         return layout
 
     def _tell(self, optimizer: torch.optim.Optimizer, why: str) -> None:
@@ -252,40 +235,43 @@ class UpdateFolds:
             optimizer.param_groups = groups
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Layout:
-    """What one optimizer's update reads over the owners of one step (see
-    :meth:`UpdateFolds._layout`), and what it was read from: a later step with the same owners
-    list, parameter groups (their lists of parameters) and state dict (as many entries) reads
-    the same. Replacing a tensor inside a parameter's state by hand goes unseen: torch's
-    ``load_state_dict`` makes a new state dict."""
+    """Where the owners of one step sit in one optimizer's parameter groups: the same for a
+    later step with the same owners list and the same parameters stepped, in the same order."""
 
     owners: Sequence[Owner]
-    param_groups: list[dict]
-    shape: tuple
-    state: dict
-    groups: tuple[int, ...]  # each owner's parameter group
+    stepped: tuple[tuple[int, ...], ...]  # the ids of the parameters the optimizer steps, by group
+    params: list[torch.Tensor]  # the owners' parameters
+    groups: tuple[int, ...]  # each one's parameter group
     outside: list[torch.Tensor]  # parameters the optimizer steps that are not the owners'
-    tensors: list[torch.Tensor]  # the weights, then their state
-    made: list[tuple[dict, tuple[str, ...]]]  # state it started: (a parameter's state, keys)
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensors[0].device
-
-    def holds(self, owners: Sequence[Owner], optimizer: torch.optim.Optimizer) -> bool:
-        groups = optimizer.param_groups
-        return (
-            owners is self.owners
-            and groups is self.param_groups
-            and optimizer.state is self.state
-            and _shape(optimizer) == self.shape
-        )
 
 
-def _shape(optimizer: torch.optim.Optimizer) -> tuple:
-    """Each parameter group's list of parameters (by identity and length), and the state's size."""
-    return len(optimizer.state), *((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
+def _state(optimizer: torch.optim.Optimizer, layout: _Layout) -> tuple[list[torch.Tensor], list] | None:
+    """The weights, then the state the update reads of them, read at each step (a parameter's
+    state may be a new dict, a checkpoint's or a reset's), and the state it started (``(a
+    parameter's state, keys)``) where a parameter had none; ``None`` when only some momentum
+    buffers are new (torch's own step starts them: the first is the gradient)."""
+    params, made = layout.params, []
+    if isinstance(optimizer, ADAM):
+        states = list(map(optimizer.state.__getitem__, params))  # a defaultdict: it adds them
+        for p, state in zip(params, states):
+            if not state:  # as torch's fused Adam makes it at a parameter's first step
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                made.append((state, ("step", "exp_avg", "exp_avg_sq")))
+        return [*params, *map(_EXP_AVG, states), *map(_EXP_AVG_SQ, states), *map(_STEP, states)], made
+    moves = [_moves(group) for group in optimizer.param_groups]
+    moving = [(p, optimizer.state[p]) for p, g in zip(params, layout.groups) if moves[g]]
+    new = sum("momentum_buffer" not in state for _, state in moving)
+    if new not in (0, len(moving)):
+        return None
+    for p, state in moving:
+        if new:  # the program starts them at the gradient (first = 1), as torch's first step does
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            made.append((state, ("momentum_buffer",)))
+    return [*params, *(state["momentum_buffer"] for _, state in moving)], made
 
 
 _TENSOR = operator.attrgetter("tensor")
