@@ -85,7 +85,6 @@ class Variant:
         inputs,
         around_step=contextlib.nullcontext,
         reference=None,
-        grads=None,
         program_settings=None,
         has_program=False,
     ):
@@ -93,7 +92,6 @@ class Variant:
         self.after_backward, self.around_step = after_backward, around_step
         self.reference = reference  # the variant whose first-step gradients this one's must equal
         self.first_grads: list[torch.Tensor | None] | None = None
-        self.grads = grads  # the gradients the update applies, if not .grad (a folded factor)
         self.program_settings = program_settings or {}  # Inductor settings for the step program alone
         self.has_program = has_program  # whether its first update compiles a step program
         self.program_launches = 0  # the step program's kernel launches (0: none)
@@ -133,8 +131,6 @@ class Variant:
                 loss.backward()
                 backward_launches = 0
         self.after_backward(self.model, self.layers)
-        # runs after scope="step"'s policy, a global optimizer pre-hook
-        keep = self.optimizer.register_step_pre_hook(lambda *_: self._keep_grads())
         with torch._inductor.config.patch(self.program_settings):  # the step program compiles here
             if count_launches and self.has_program:
                 code = _compat.generated_code(self.optimizer.step)
@@ -142,7 +138,10 @@ class Variant:
                 self._write_code("program", code)
             else:
                 self.optimizer.step()
-        keep.remove()
+        # After the step, which leaves the gradients it applied in .grad: scope="step" runs the
+        # policy in it, and a folded update writes the gradient times the factor back. (A step
+        # hook would keep a folded optimizer's update out of the step program: a hook of others.)
+        self._keep_grads()
         self.optimizer.zero_grad(set_to_none=True)
         synchronize()
         return time.perf_counter() - start, backward_launches
@@ -153,9 +152,7 @@ class Variant:
                 out.write("\n\n# ----\n\n".join(code))
 
     def _keep_grads(self) -> None:
-        applied = self.grads() if self.grads is not None else {}
-        grads = [applied.get(name, p.grad) for name, p in self.model.named_parameters()]
-        self.first_grads = [None if g is None else g.detach().clone() for g in grads]
+        self.first_grads = [None if p.grad is None else p.grad.detach().clone() for p in self.model.parameters()]
 
     def assert_same_gradients(self, reference: Variant) -> None:
         """This variant's first-step gradients equal ``reference``'s, per parameter, to
@@ -220,7 +217,6 @@ def build_variants(model_name, policies, scale, compiler, device="cpu", twins=No
                     no_policy,
                     inputs,
                     reference=reference,
-                    grads=(lambda backend=backend, m=m: backend.scaled_grads(m)) if fold else None,
                     program_settings=options if scope == "step" else None,
                     has_program=scope == "step",
                 )
