@@ -679,12 +679,12 @@ class Backend:
             self._step.arm()
 
     def folded_into(self) -> list[torch.optim.Optimizer]:
-        """The optimizers :meth:`fold` folds into (while they live): those whose ``grad_scale``
-        carries the global factor, then those whose update the step program runs."""
+        """The optimizers :meth:`fold` folds into (while they live), each once: those whose
+        ``grad_scale`` carries the global factor, then those whose update the step program runs."""
         return list(dict.fromkeys(self._folds.optimizers() + self._updates.optimizers()))
 
     def runs_update_of(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the step program runs ``optimizer``'s update (:meth:`fold` with per-layer factors)."""
+        """Whether the step program runs ``optimizer``'s update (:meth:`fold` in step scope)."""
         return optimizer in self._updates
 
     def scaled_grads(self, model: nn.Module) -> dict[str, torch.Tensor]:
