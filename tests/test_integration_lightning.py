@@ -365,6 +365,20 @@ def test_fabric_layers_are_named_in_the_model(order):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
 
 
+def test_folding_the_callbacks_backend_is_refused_at_fit():
+    """The callback runs the policy before the optimizer's step, where no fold can take the factor:
+    folding its backend used to leave the gradients unclipped (with a warning at the first step)."""
+    callback = FxgradCallback(fxgrad.clip_by_global_norm(0.2), compiler="aot_eager")
+
+    def folded(module):
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, fused=True)
+        callback.backend.fold(optimizer)
+        return optimizer
+
+    with pytest.raises(ValueError, match=r"callback.backend.fold\(optimizer\): FxgradCallback runs its policy"):
+        _fit(optimizer=folded, callbacks=[callback])
+
+
 def test_fold_names_the_optimizer_fabric_wraps():
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager")
     fabric, model = _fabric(), _Net()

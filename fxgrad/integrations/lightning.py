@@ -56,7 +56,8 @@ class FxgradCallback(pl.Callback):
 
     At ``Trainer.fit`` it raises ``ValueError`` for ``Trainer(gradient_clip_val=...)`` or a
     ``configure_gradient_clipping`` override (they would clip again after the policy), for more than one
-    optimizer, under a GradScaler (``"16-mixed"`` on CUDA) for rules that hide Inf/NaN from it, and for
+    optimizer, for ``callback.backend.fold(...)`` (the hook runs before the update could take a factor),
+    under a GradScaler (``"16-mixed"`` on CUDA) for rules that hide Inf/NaN from it, and for
     the FSDP1 and DeepSpeed strategies (flat parameter shards).
     """
 
@@ -134,6 +135,15 @@ class FxgradCallback(pl.Callback):
             raise ValueError(
                 f"configure_optimizers returned {len(trainer.optimizers)} optimizers; FxgradCallback applies its "
                 "policy to all of the module's gradients before each step, so it supports one optimizer"
+            )
+        if self.backend.folded_into():
+            raise ValueError(
+                "callback.backend.fold(optimizer): FxgradCallback runs its policy in on_before_optimizer_step, "
+                "before the optimizer's step and before a GradScaler hands it its scale, so no fold can leave the "
+                "factor to the update (the policy's factor would be lost). Remove the fold: the callback clips as "
+                "an unfolded step scope does. To fold, compile the module's network with "
+                "fxgrad.backend(policy, scope='step') in the LightningModule and fold that backend in "
+                "configure_optimizers, without the callback"
             )
 
     def on_before_optimizer_step(
