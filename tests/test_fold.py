@@ -461,7 +461,7 @@ def test_two_optimizers_over_one_model_fold_both_or_are_refused(scope):
     with fused_calls() as calls, warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         run(model, optimizers, backend)
-    assert calls  # the step program runs one optimizer's update only: grad_scale carries the factor
+    assert calls  # grad_scale carries the factor (the step program runs no update of part of the gradients)
     run(expected, split(expected))
     assert_same_weights(model, expected)
 

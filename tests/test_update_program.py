@@ -352,11 +352,7 @@ def test_a_resume_into_the_folded_optimizer_itself_updates_the_loaded_state(name
             train(m, opt, 3, **kwargs)
         assert bool(calls) == (opt is expected_optimizer)
     assert_same_weights(model, expected, rtol=1e-5)  # momentum's rounding: see the test above
-    for p, expected_p in zip(model.parameters(), expected.parameters()):
-        state, expected_state = optimizer.state[p], expected_optimizer.state[expected_p]
-        for key, value in expected_state.items():  # as the test above compares them
-            atol = 1e-4 * value.abs().max().item()
-            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=atol, msg=key)
+    assert_same_state(optimizer, model, expected_optimizer, expected)
 
 
 @pytest.mark.parametrize("policy", ["global", "per_layer"])
@@ -394,6 +390,12 @@ def test_changes_to_the_groups_and_state_between_steps_are_followed(policy, chan
     # Adam's first steps from a new state move each element by about lr whatever its gradient's
     # size, and carry the rounding of the smallest ones on: 2e-6 of the weight apart after 4 steps
     assert_same_weights(model, expected, rtol=1e-6 if change == "biases swapped between groups" else 1e-5)
+    assert_same_state(optimizer, model, expected_optimizer, expected)
+
+
+def assert_same_state(optimizer, model, expected_optimizer, expected):
+    """``optimizer``'s state of each of ``model``'s parameters equals ``expected_optimizer``'s of
+    ``expected``'s, as the first test compares them (1e-4 of each tensor's largest value)."""
     for p, expected_p in zip(model.parameters(), expected.parameters()):
         for key, value in expected_optimizer.state[expected_p].items():
             atol = 1e-4 * value.abs().max().item()
