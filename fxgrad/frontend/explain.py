@@ -26,7 +26,7 @@ from fxgrad.core.layers import parameter_owners, skip_reason
 from fxgrad.frontend.backend import Backend
 from fxgrad.frontend.coverage import CoverageWarning
 from fxgrad.frontend.kernels import KernelCollector, ProgramKernels
-from fxgrad.frontend.step_check import handed_back
+from fxgrad.frontend.step_check import handed_back, stepped_ids
 from fxgrad.frontend.step_scope import step_routes
 from fxgrad.frontend.watch import untrack_wrapper
 from fxgrad.passes.capture import CapturedGraph
@@ -340,8 +340,7 @@ def _update_copy(backend: Backend, model: nn.Module) -> torch.optim.Optimizer | 
     ``backend``'s step program runs (``backend.fold``), if there is one."""
     ours = {id(p) for p in model.parameters()}
     for optimizer in backend.folded_into():
-        stepped = [p for group in optimizer.param_groups for p in group["params"]]
-        if backend.runs_update_of(optimizer) and any(id(p) in ours for p in stepped):
+        if backend.runs_update_of(optimizer) and not stepped_ids(optimizer).isdisjoint(ours):
             return type(optimizer)([{**group, "params": list(group["params"])} for group in optimizer.param_groups])
     return None
 

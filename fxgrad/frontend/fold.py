@@ -49,7 +49,7 @@ from fxgrad.core import match
 from fxgrad.core.rule import Transform
 from fxgrad.core.warn import warn, warn_once
 from fxgrad.frontend.coverage import CoverageWarning
-from fxgrad.frontend.step_check import hook_step
+from fxgrad.frontend.step_check import group_ids, hook_step
 
 FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # their fused update reads grad_scale
 
@@ -361,9 +361,8 @@ class Folds:
         self._given.add(optimizer)
         if not factors:
             return
-        # add_param_group changes it, so does a parameter put in a group's list, and load_state_dict can
-        # unset a group's fused (a plain AdamW's checkpoint)
-        shape = tuple((tuple(map(id, group["params"])), bool(group.get("fused"))) for group in optimizer.param_groups)
+        # the groups' parameters, and whether each is fused (load_state_dict of a plain AdamW's checkpoint unsets it)
+        shape = group_ids(optimizer), tuple(bool(group.get("fused")) for group in optimizer.param_groups)
         checked = self._checks.get(optimizer)
         if checked is None or checked[0] != shape:
             ours = self._ours()

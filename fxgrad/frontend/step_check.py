@@ -126,6 +126,12 @@ def stepped_ids(optimizer: torch.optim.Optimizer) -> set[int]:
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
+def group_ids(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, ...], ...]:
+    """Each parameter group's parameter ids, in order: what ``add_param_group``, a parameter
+    moved to another group or put into a group's list in place all change."""
+    return tuple(tuple(map(id, group["params"])) for group in optimizer.param_groups)
+
+
 def report_outside(
     optimizer: torch.optim.Optimizer,
     transform: Transform,

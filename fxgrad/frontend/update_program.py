@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from fxgrad.core.layers import Owner
 from fxgrad.core.warn import warn_once
-from fxgrad.frontend.step_check import foreign_hooks, hook_step
+from fxgrad.frontend.step_check import foreign_hooks, group_ids, hook_step
 
 ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -141,7 +141,7 @@ class UpdateFolds:
             )
             return None
         param_groups = optimizer.param_groups
-        stepped = tuple(tuple(map(id, group["params"])) for group in param_groups)
+        stepped = group_ids(optimizer)
         layout = self._layouts.get(optimizer)
         if layout is None or layout.owners is not owners or layout.stepped != stepped:
             layout = self._layout(optimizer, owners, stepped)
@@ -216,9 +216,10 @@ class UpdateFolds:
         kept = self._scalars.get(key)
         if kept is None:
             kept = self._scalars[key] = torch.empty((), dtype=dtype, device=device)
-        if isinstance(value, torch.Tensor) or self._values.get(key) != value:
+        number = None if isinstance(value, torch.Tensor) else value  # a tensor's value may have changed
+        if number is None or self._values.get(key) != number:
             kept.fill_(value)
-            self._values[key] = value if not isinstance(value, torch.Tensor) else None
+            self._values[key] = number
         return kept
 
     def _set_aside(self, optimizer: torch.optim.Optimizer) -> None:
