@@ -1,6 +1,7 @@
 """fxgrad.integrations.transformers in a real Hugging Face Trainer: parity with max_grad_norm, logging, conflicts."""
 
 import copy
+import warnings
 
 import models
 import pytest
@@ -90,6 +91,31 @@ def test_a_trainer_that_clips_a_plainly_compiled_model_is_reported(tmp_path, sco
     trainer = Trainer(model=torch.compile(_gpt2(), backend=monitored), args=args, train_dataset=_data())
     with coverage_silent():
         trainer.train()
+
+
+@pytest.mark.parametrize(
+    ("policy", "settings", "told"),
+    [
+        (fxgrad.monitor(), {}, True),
+        (fxgrad.chain(fxgrad.rescale(alpha=0.5), fxgrad.monitor()), {}, True),
+        (fxgrad.monitor(), {"max_grad_norm": 0.0}, False),  # no clip meant
+        (fxgrad.clip_by_norm(1.0), {}, False),
+        (fxgrad.by_name({"transformer.h.*": fxgrad.adagc()}, default=fxgrad.monitor()), {}, False),
+    ],
+    ids=["monitor", "rescale", "explicit_zero", "per_layer_clip", "routed_adagc"],
+)
+def test_turning_the_default_clip_off_for_a_policy_that_clips_nothing_is_told(tmp_path, policy, settings, told):
+    """The Trainer's default max_grad_norm=1.0 is a clip; prepare() turns it off for the policy's
+    clipping, so a policy that clips nothing would leave the gradients unclipped, silently."""
+    args = _args(tmp_path, **settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepare(_gpt2(), policy, args, compiler="aot_eager")
+    messages = [str(w.message) for w in caught if "prepare() turned the Trainer's clipping off" in str(w.message)]
+    assert args.max_grad_norm == 0.0
+    assert len(messages) == told
+    if told:
+        assert "clips nothing" in messages[0] and "fxgrad.clip_by_global_norm(1.0)" in messages[0]
 
 
 def test_conflicting_arguments_raise(tmp_path):

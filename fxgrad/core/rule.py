@@ -128,6 +128,9 @@ class Leaf(Transform):
       optimizer's update instead of the gradient (a per-layer learning-rate scale, see
       :mod:`fxgrad.frontend.update_factors`). Scale rules that offer both declare it
       as a field with :func:`apply_to_field`.
+    * ``clips``: it bounds the gradients (a norm or the elements) by a threshold, so a
+      policy with it replaces a trainer's own clipping (the Hugging Face Trainer's
+      ``max_grad_norm``: :func:`fxgrad.integrations.transformers.prepare`).
     * ``keeps_signs``: it only multiplies gradient elements by factors ``> 0`` (clamps
       included), so an update that reads the signs alone (``Rprop``) never sees it, and
       fxgrad warns. ``False`` unless the rule says so (a :class:`ScaleLeaf` does).
@@ -141,6 +144,7 @@ class Leaf(Transform):
     local_shards: ClassVar[bool] = False
     apply_to: ClassVar[Literal["grad", "update"]] = "grad"
     keeps_signs: ClassVar[bool] = False
+    clips: ClassVar[bool] = False
     name: ClassVar[str] = "leaf"
 
     def fixed_factors(self) -> bool:

@@ -203,8 +203,8 @@ def prepare(
     ``in_place=True``), and the callback to give the Trainer.
 
     With ``args``, it sets ``max_grad_norm=0`` when it has its default (1.0; the policy replaces the
-    Trainer's clipping); and with ``scope="auto"`` it picks ``scope="step"`` when
-    ``gradient_accumulation_steps > 1``, ``fp16`` or
+    Trainer's clipping, and a ``UserWarning`` says so when the policy clips nothing); and with
+    ``scope="auto"`` it picks ``scope="step"`` when ``gradient_accumulation_steps > 1``, ``fp16`` or
     ``gradient_checkpointing`` (then the policy runs once per optimizer step on the accumulated, unscaled
     gradient, whatever graph breaks checkpointing makes), else the in-graph scope.
     A setting it cannot reconcile (another ``max_grad_norm``, ``torch_compile=True``, ``fsdp``, ``deepspeed``,
@@ -231,11 +231,20 @@ def prepare(
             if args.max_grad_norm == _default(args, "max_grad_norm"):
                 args.max_grad_norm = 0.0
             callback.check(args, model)  # compiled in place, it keeps its forward's signature
-        return backend.compile(model, in_place=True, **compile_kwargs), callback
+        compiled = backend.compile(model, in_place=True, **compile_kwargs)
     except (TypeError, ValueError):
         if args is not None:
             args.max_grad_norm = before
         raise
+    if args is not None and args.max_grad_norm != before and not any(leaf.clips for leaf in policy.leaves()):
+        warn(
+            f"fxgrad: prepare() turned the Trainer's clipping off (TrainingArguments(max_grad_norm={before}) -> 0), "
+            f"which the policy replaces, and the policy {policy!r} clips nothing: no gradient is clipped now. To "
+            f"keep the Trainer's clip, put it in the policy: fxgrad.chain(policy, "
+            f"fxgrad.clip_by_global_norm({before})); to train without clipping, pass max_grad_norm=0",
+            UserWarning,
+        )
+    return compiled, callback
 
 
 STATE_FILE = "fxgrad_state.pt"

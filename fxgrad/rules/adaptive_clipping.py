@@ -64,6 +64,7 @@ class AutoClip(ScaleLeaf):
     """
 
     name = "autoclip"
+    clips = True
     reach = "group"
     per_layer = False
     folds = "global"
@@ -137,6 +138,7 @@ class ZClip(ScaleLeaf):
     """
 
     name = "zclip"
+    clips = True
     reach = "group"
     per_layer = False
     folds = "global"
@@ -252,6 +254,7 @@ class AdaGC(Leaf):
     """
 
     name = "adagc"
+    clips = True
     keeps_signs = True  # positive factors
     reach = "group"  # the warm-up clips the global norm
     local_shards = True

@@ -28,6 +28,7 @@ class _NormClip(ScaleLeaf):
     """What the global and the per-layer norm clip share: a threshold and a p-norm."""
 
     backs_off = True
+    clips = True
 
     max_norm: float
     norm_type: float = field(2.0, shown=lambda rule: rule.norm_type != 2.0)
@@ -104,6 +105,7 @@ class ClipByValue(Leaf):
     """
 
     name = "clip_by_value"
+    clips = True
     keeps_signs = True  # clamps each element
     reach = "element"
     local_shards = True
@@ -147,6 +149,7 @@ class AdaptiveGradClip(Leaf):
     """
 
     name = "adaptive_grad_clip"
+    clips = True
     keeps_signs = True  # positive factors
     reach = "element"  # unit-wise: each output row on its own
     backs_off = True
