@@ -237,6 +237,15 @@ HOOKED = (
 )
 
 
+STAND_INS = (
+    "fxgrad: a compiled graph takes plain tensors, not nn.Parameters, in the parameter slots {names} "
+    "(torch.func.functional_call, or another reparametrization, put them there). Graph scope transforms the "
+    "gradients of nn.Parameter inputs, so the policy {t!r} sees neither these tensors' gradients nor those "
+    "of the parameters they were computed from. Use fxgrad.backend(..., scope='step'): it applies the policy "
+    "to the .grad of the parameters the optimizer steps, after the backward."
+)
+
+
 SPLIT_MODELS = (
     "fxgrad: {optimizer} steps the parameters of {count} models this backend compiled one by one ({models}), "
     "and in scope='graph' each one's backward applies {t!r} to its own gradients: its cross-layer norms are "
@@ -292,6 +301,11 @@ class CoverageCheck:
             if not gap.fatal:
                 self.warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
         self._hooked(graph, plan)
+        if graph.stand_ins:
+            self.report(
+                STAND_INS.format(names=listed(graph.stand_ins, 20), t=self.transform),
+                fatal=any(leaf.reach == "group" for leaf in self.transform.leaves()),
+            )
         named = self.transform.named(frozen)  # not those a rule over every layer reaches (a LoRA base)
         frozen_targeted = [layer for layer in frozen if layer.name in named]
         if frozen_targeted:

@@ -70,6 +70,11 @@ STEP_SCOPE = (
     " fxgrad.backend(..., scope='step') applies the policy to .grad at optimizer.step(), whatever Dynamo compiled."
 )
 
+STAND_IN_HINT = (
+    "\nOr, as a graph this backend compiled says: the graph took plain tensors in place of the parameters "
+    "(torch.func.functional_call), whose gradients no backward graph transforms." + STEP_SCOPE
+)
+
 OUTSIDE = (
     "fxgrad: optimizer.step() steps {count} parameters with a gradient (shapes {shapes}) that belong to none "
     "of the models this backend compiled, and the policy {transform!r} reduces across layers: its norms "
@@ -511,7 +516,9 @@ class StepCheck:
             if not left_out:
                 continue
             if not any(self.registry.holds(owner.tensor) for owner in owners.values()):
-                self.coverage.ran_eagerly(model, True, self._hint(model), _compat.compiler_stance())
+                stand_ins = any(graph.stand_ins for graph in self.registry.current())
+                hint = STAND_IN_HINT if stand_ins else self._hint(model)
+                self.coverage.ran_eagerly(model, True, hint, _compat.compiler_stance())
                 continue
             names = ", ".join(dict.fromkeys(layer.name for layer in left_out))
             self.coverage.report(

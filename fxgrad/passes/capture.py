@@ -101,6 +101,10 @@ class CapturedGraph:
     compiled: weakref.ref | None = None
     # The backend's count of compiled-graph calls at this graph's last call (-1: never called)
     last_run: int = -1
+    # Inputs in a module's parameter slots that are plain tensors requiring grad, not the
+    # parameters (torch.func.functional_call put them there), by their source's path: no
+    # policy reaches their gradients in the backward graph
+    stand_ins: list[str] = dataclasses.field(default_factory=list)
     # id() -> the model, weakly, for each model its parameters belong to (ParamSlot.root)
     root_refs: dict = dataclasses.field(default_factory=dict)
     _by_name: dict | None = dataclasses.field(default=None, repr=False)
@@ -181,6 +185,9 @@ def live_root(roots: dict[int, Root], module: object) -> Root | None:
 
 
 _SIMPLE_SOURCE = re.compile(r"^[LG]\['([^']+)'\]$")
+# a source that ends in a module's parameter slot, and each step of it
+_PARAMETER_SLOT = re.compile(r"(?:\._modules\['[^']+'\])*\._parameters\['[^']+'\]$")
+_MODULE_SLOT = re.compile(r"\._(?:modules|parameters)\['([^']+)'\]")
 
 
 def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int, Root]) -> CapturedGraph:
@@ -198,10 +205,10 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
     owners = {
         key: parameter_owners(root.module(), root.prefix) for key, root in roots.items() if root.module() is not None
     }
-    found = []
+    found, stand_ins = [], []
     for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        chain = _compat.source_chain(node)
         if isinstance(value, nn.Parameter):
-            chain = _compat.source_chain(node)
             if _compat.is_fake(value) and chain:
                 real = _evaluate(chain[-1], scope)
                 value = real if isinstance(real, nn.Parameter) and real.shape == value.shape else value
@@ -212,6 +219,10 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
             holders = [key for key, known in owners.items() if id(value) in known]
             home = roots[max(holders, key=lambda key: len(owners[key]))].module() if holders else None
             found.append((index, value, chain, home if home is not None else _find_root(chain, scope)))
+        elif isinstance(value, torch.Tensor) and value.requires_grad and chain:
+            slot = _PARAMETER_SLOT.search(chain[-1])
+            if slot is not None:  # a.weight for ._modules['a']._parameters['weight']
+                stand_ins.append(_MODULE_SLOT.sub(r".\1", slot.group(0)).strip("."))
     modules = {id(root): (root, chain[0]) for _, _, chain, root in found if root is not None}
     # the modules some of whose parameters this graph may compute gradients of
     trained = {id(root) for _, value, _, root in found if value.requires_grad} if _compat.may_record_grad(gm) else set()
@@ -247,7 +258,14 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
     renamed = [roots[key].prefix for key in modules if key in trained and roots[key].renamed]
     root_refs = {key: roots[key].module for key in dict.fromkeys(p.root for p in params if p.root is not None)}
     return CapturedGraph(
-        compile_id, attempt, len(placeholders), params, trains=bool(trained), renamed_roots=renamed, root_refs=root_refs
+        compile_id,
+        attempt,
+        len(placeholders),
+        params,
+        trains=bool(trained),
+        renamed_roots=renamed,
+        root_refs=root_refs,
+        stand_ins=stand_ins if _compat.may_record_grad(gm) else [],
     )
 
 
