@@ -71,8 +71,8 @@ STEP_SCOPE = (
 )
 
 STAND_IN_HINT = (
-    "\nOr, as a graph this backend compiled says: the graph took plain tensors in place of the parameters "
-    "(torch.func.functional_call), whose gradients no backward graph transforms." + STEP_SCOPE
+    "\nOr the cause a graph of this backend reported: it took plain tensors in place of the parameters "
+    "(torch.func.functional_call), and no backward graph transforms their gradients." + STEP_SCOPE
 )
 
 OUTSIDE = (

@@ -8,7 +8,10 @@ model the compiled function uses), the parameter is mapped to its first owner
 in that model's ``named_modules()`` order.
 
 A parameter whose root is not a module (an ``nn.Parameter`` passed as an
-argument) becomes a layer of its own, named after its variable.
+argument) becomes a layer of its own, named after its variable. A tensor in a
+module's parameter slot that is not an ``nn.Parameter`` (``torch.func.functional_call``
+puts it there) is no parameter: it is listed by its slot (``CapturedGraph.stand_ins``),
+for the coverage check to report.
 
 Dynamo's DDP optimizer (a compiled model inside ``DistributedDataParallel``,
 split into one graph per gradient bucket) hands the backend fake copies of the
