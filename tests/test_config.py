@@ -192,6 +192,19 @@ def test_routers_and_skip_in_config():
             "rescale multipliers: .* name the same key",
         ),
         ({"transform": {"multi_normalize": {"schedule": {"0": ["l2"], "00": ["linf"]}}}}, ValueError, "same key"),
+        # where in the config a bad class or transform sits is named
+        (
+            {"transform": {"rescale": {"multipliers": {"type:torch.nn.NoSuch": 2.0}}}},
+            ValueError,
+            "rescale multipliers: cannot import class 'torch.nn.NoSuch'",
+        ),
+        (
+            {"transform": {"by_type": {"mapping": {"torch.nn.NoSuch": {"monitor": {}}}}}},
+            ValueError,
+            "by_type mapping: cannot import",
+        ),
+        ({"transform": {"by_type": {"mapping": {}, "default": "x"}}}, ValueError, "by_type default: a transform is"),
+        ({"transform": {"monitor": {}}, "skip": ["type:torch.nn.NoSuch"]}, ValueError, "skip: cannot import class"),
     ],
 )
 def test_bad_config_is_rejected(spec, error, match):

@@ -4,6 +4,7 @@ import copy
 import io
 import math
 import re
+import types
 
 import pytest
 import torch
@@ -119,6 +120,13 @@ CASES = [
     (lambda: fxgrad.backend(skip=("",)), ValueError, "skip"),
     (lambda: fxgrad.clip_by_norm(), TypeError, "clip_by_norm() missing 1 required positional argument"),
     (lambda: fxgrad.clip_by_norm(1.0, max_nrom=2.0), TypeError, "clip_by_norm() got an unexpected keyword"),
+    (lambda: fxgrad.multi_normalize(5, schedule={0: ("l2",)}), TypeError, "norms"),
+    (lambda: fxgrad.backend(scaler=torch.amp.GradScaler), TypeError, "scaler"),  # the class, not one
+    (lambda: fxgrad.backend(scaler=types.SimpleNamespace(unscale_=id, update=id)), TypeError, "scaler"),
+    (lambda: fxgrad.backend(scope="graph").step("m"), TypeError, "model"),  # before the scope's RuntimeError
+    (lambda: fxgrad.backend(scope="graph").scaled_grads("m"), TypeError, "model"),
+    (lambda: fxgrad.rescale(target=nn.Linear), TypeError, "target"),  # a class is callable, but no target
+    (lambda: fxgrad.backend(skip={"lm_head": 1}), TypeError, "skip"),
 ]
 
 
@@ -227,3 +235,17 @@ def test_a_compiled_model_deep_copies_onto_the_same_backend_and_refuses_pickling
     assert norm.item() == pytest.approx(1e-2, rel=1e-5)
     with pytest.raises(TypeError, match=r"cannot be pickled, nor a model compiled with it"):
         torch.save(compiled, io.BytesIO())
+
+
+def test_numpy_strings_are_kept_as_python_strings():
+    """A name read from a numpy array (``numpy.str_``) is a ``str``; kept as one, the repr
+    evaluates back instead of showing ``np.str_('l2')``."""
+    np = pytest.importorskip("numpy")
+    rules = [
+        fxgrad.normalize(np.str_("l2")),
+        fxgrad.multi_normalize((np.str_("l2"), np.str_("linf"))),
+        fxgrad.by_name({np.str_("fc*"): fxgrad.clip_by_norm(1.0)}),
+    ]
+    for rule in rules:
+        assert "np.str_" not in repr(rule)
+    assert eval("fxgrad." + repr(rules[0]), {"fxgrad": fxgrad}) == fxgrad.normalize("l2")

@@ -22,7 +22,7 @@ import functools
 import itertools
 import operator
 import weakref
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import torch.nn as nn
 from torch.nn.parameter import is_lazy
@@ -190,11 +190,9 @@ def _join(prefix: str, name: str) -> str:
 
 def validate_skip(skip: Iterable[SkipEntry]) -> tuple[SkipEntry, ...]:
     """Check a ``skip=`` argument: module types and pattern strings (see :mod:`fxgrad.core.match`)."""
-    if isinstance(skip, (str, type)) or not isinstance(skip, Iterable):
-        raise TypeError(
-            f"skip must be a tuple or list of nn.Module types and name patterns, "
-            f"got {skip!r}; write skip=({skip!r},) for a single entry"
-        )
+    if isinstance(skip, (str, type, Mapping)) or not isinstance(skip, Iterable):
+        single = "" if isinstance(skip, Mapping) else f"; write skip=({skip!r},) for a single entry"
+        raise TypeError(f"skip must be a tuple or list of nn.Module types and name patterns, got {skip!r}{single}")
     return tuple(match.check_key("skip entries", entry) for entry in skip)
 
 

@@ -58,7 +58,7 @@ def check_key(argument: str, key: Any, *, types: bool = True, patterns: bool = T
     if patterns and isinstance(key, str):
         if not key:
             raise ValueError(f"{argument} must be non-empty patterns, got ''")
-        return key
+        return str(key)  # numpy.str_ as str: the repr evaluates back
     if types and isinstance(key, type) and issubclass(key, nn.Module):
         return key
     kinds = " or ".join(

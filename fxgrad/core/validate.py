@@ -76,7 +76,7 @@ def choice(name: str, value: Any, options: tuple[str, ...]) -> str:
         raise TypeError(f"{name} must be a string, one of {', '.join(map(repr, options))}, got {value!r}")
     if value not in options:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
-    return value
+    return str(value)  # numpy.str_('l2') as 'l2': the repr evaluates back
 
 
 def fraction(name: str, value: Any) -> float:

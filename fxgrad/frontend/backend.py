@@ -594,12 +594,12 @@ class Backend:
         ``model`` defaults to every model this backend compiled or stepped
         before. No host sync; see :mod:`fxgrad.frontend.step_scope`.
         """
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if self.current_scope() != "step":
             raise RuntimeError(
                 "step() needs fxgrad.backend(..., scope='step'); this backend rewrites the backward graphs instead"
             )
-        if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if self._step is None:
             return
         model = _compat.unwrap_model(model) if model is not None else None
@@ -693,6 +693,8 @@ class Backend:
         to ``.grad``; ``.grad`` itself otherwise. In step scope the policy runs first if it has
         not run on these gradients (as :meth:`step` does, advancing its state): call it once the
         step's gradients are complete (after the last micro-batch), not between micro-batches."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if self._folds and self.current_scope() == "step" and self._step_models():
             self.step()
         return self._folds.as_applied({name: p for name, p in model.named_parameters() if p.grad is not None})
@@ -1046,7 +1048,9 @@ def _refuse_sparse(plan: GraphPlan, outputs: list[torch.fx.Node | None]) -> None
 def _check_scaler(scaler: Any, transform: Transform | None) -> Any:
     if scaler is None:
         return None
-    if not hasattr(scaler, "unscale_") or not hasattr(scaler, "update"):
+    if isinstance(scaler, type):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got the class {scaler.__name__}: pass an instance")
+    if not all(callable(getattr(scaler, name, None)) for name in ("unscale_", "update", "is_enabled")):
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     if not scaler.is_enabled():  # GradScaler(enabled=False), or a CUDA scaler without CUDA: no scaling
         return None

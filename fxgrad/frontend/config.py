@@ -134,7 +134,7 @@ def _converted(what: str, mapping: Mapping[Any, Any], convert: Callable[[Any], A
     converted: dict[Any, Any] = {}
     spelled: dict[Any, Any] = {}
     for key, value in mapping.items():
-        new = convert(key)
+        new = _naming(what, convert, key)
         if new in converted:
             raise ValueError(f"{what}: {spelled[new]!r} and {key!r} name the same key")
         converted[new], spelled[new] = value, key
@@ -156,7 +156,9 @@ def _router(name: str, arguments: Mapping[str, Any]) -> Transform:
     keys = _converted(f"{name} mapping", mapping, import_class if name == "by_type" else lambda key: key)
     routes = {key: parse_transform(value) for key, value in keys.items()}
     default = arguments.get("default")
-    return ROUTERS[name](routes, default=None if default is None else parse_transform(default))
+    return ROUTERS[name](
+        routes, default=None if default is None else _naming(f"{name} default", parse_transform, default)
+    )
 
 
 def _skip(entries: Any) -> tuple:
@@ -164,8 +166,16 @@ def _skip(entries: Any) -> tuple:
         raise TypeError(f"skip must be a list, got {entries!r}")
     result: list = []
     for entry in entries:
-        result += DEFAULT_SKIP if entry == "default" else [_type_or_pattern(entry)]
+        result += DEFAULT_SKIP if entry == "default" else [_naming("skip", _type_or_pattern, entry)]
     return tuple(result)
+
+
+def _naming(what: str, parse: Callable[[Any], Any], value: Any) -> Any:
+    """``parse(value)``, its ``TypeError`` or ``ValueError`` saying where in the config the value sits."""
+    try:
+        return parse(value)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{what}: {error}") from None
 
 
 def import_class(path: str) -> type:

@@ -150,7 +150,7 @@ class MultiNormalize(ScaleLeaf):
             lambda name, v: validate.non_negative(name, v),
         )
         # a short argument other than its default, and a schedule that says otherwise from step 0
-        if self.schedule is not None and tuple(self.norms) not in (("l2", "linf"), schedule[0][1]):
+        if self.schedule is not None and _norm_list("norms", self.norms) not in (("l2", "linf"), schedule[0][1]):
             raise ValueError("norms: schedule sets the norms too (from step 0); give one of norms and schedule")
         if self.threshold_schedule is not None and self.switching_threshold not in (0.1, thresholds[0][1]):
             raise ValueError("switching_threshold: threshold_schedule sets it too (from step 0); give one of them")
@@ -242,9 +242,7 @@ def _peakedness(stats: NormStats, layer: Layer) -> torch.Tensor:
 def _norm_list(name: str, norms) -> tuple[str, ...]:
     if isinstance(norms, str) or not isinstance(norms, Sequence) or not norms:
         raise TypeError(f"{name} must be a non-empty tuple of norm names, got {norms!r}")
-    for norm in norms:
-        validate.choice(f"{name} entries", norm, NORMS)
-    return tuple(dict.fromkeys(norms))
+    return tuple(dict.fromkeys(validate.choice(f"{name} entries", norm, NORMS) for norm in norms))
 
 
 def _piecewise(name: str, mapping, check, argument: str | None = None) -> Pieces:

@@ -223,7 +223,9 @@ class Rescale(ScaleLeaf):
 
 
 def _check_target_signature(target: Callable) -> None:
-    """A callable target must take ``(depth, layer)``."""
+    """A callable target must take ``(depth, layer)``, and return a number (not a class's instance)."""
+    if isinstance(target, type):
+        raise TypeError(f"target must be a function target(depth, layer) -> float, got the class {target.__name__}")
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):  # some builtins have none: nothing to check
