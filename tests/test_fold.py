@@ -696,6 +696,29 @@ def test_a_fixed_multiplier_under_adam_is_reported_as_cancelled(scope):
 
 
 @pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_multiplier_on_layers_another_optimizer_steps_is_not_reported_as_cancelled(scope):
+    """Adam over the first layers, SGD over the head with its multiplier: under SGD the factor acts,
+    and Adam's layers have none (the warning named Adam before, found by a sweep)."""
+    torch.manual_seed(0)
+    model = mlp()
+    plain = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.rescale(alpha=0, multipliers={"4": 3.0}), compiler="aot_eager", scope=scope)
+    weighted = []
+    for net, run in ((model, backend.compile(model)), (plain, plain)):
+        optimizers = [torch.optim.Adam(net[:4].parameters(), lr=1e-2), torch.optim.SGD(net[4].parameters(), lr=0.1)]
+        gen = torch.Generator().manual_seed(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fxgrad.CoverageWarning)
+            for _ in range(5):
+                run(torch.randn(16, 8, generator=gen)).pow(2).mean().backward()
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        weighted.append(net[4].weight.detach())
+    assert not torch.allclose(*weighted, rtol=1e-3)  # the multiplier acted
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
 def test_positive_factors_under_a_sign_only_update_are_reported(scope):
     """Rprop moves each weight by its gradient's sign: a clip does nothing, and is reported;
     zero_nonfinite, which zeroes elements, is not."""

@@ -147,10 +147,11 @@ class Leaf(Transform):
     clips: ClassVar[bool] = False
     name: ClassVar[str] = "leaf"
 
-    def fixed_factors(self) -> bool:
-        """Whether its factor for a layer is the same on every step (a constant multiplier):
-        an Adam-type update divides it out."""
-        return False
+    def fixed_factor(self, layer: Layer) -> float | None:
+        """The factor it multiplies ``layer``'s gradient by on every step, when that is one
+        constant (``rescale(alpha=0)``'s multiplier), which an Adam-type update divides out;
+        ``None`` when the factor may change from step to step."""
+        return None
 
     def check_followers(self, later: Sequence[Leaf]) -> None:
         """Raise ``ValueError`` if this leaf needs something of the leaves after it in the policy."""

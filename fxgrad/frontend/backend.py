@@ -30,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat, passes
 from fxgrad.core import match, validate
-from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry, validate_skip
+from fxgrad.core.layers import DEFAULT_SKIP, Layer, ParamRow, SkipEntry, build_layers, parameter_owners, validate_skip
 from fxgrad.core.rule import Transform, listed
 from fxgrad.core.warn import warn
 from fxgrad.frontend import fold as folding
@@ -724,7 +724,7 @@ class Backend:
         self._check_scaler_given(optimizer, first_step=optimizer not in self._first_step_seen)
         if optimizer not in self._first_step_seen:  # checks of the optimizer and the policy, once
             self._first_step_seen.add(optimizer)
-            why = folding.cancelled(optimizer, self.transform)
+            why = folding.cancelled(optimizer, self.transform, self._layers_stepped_by(optimizer))
             if why is not None:
                 warn(why, CoverageWarning)
             max_norm = trainer_clip() if self.transform.changes_gradients() else None
@@ -887,6 +887,16 @@ class Backend:
             self._programs.forget()
             if self._update_factors is not None:
                 self._update_factors.forget()
+
+    def _layers_stepped_by(self, optimizer: torch.optim.Optimizer) -> list[Layer]:
+        """The layers of this backend's models with parameters ``optimizer`` steps."""
+        stepped, owners = stepped_ids(optimizer), {}
+        for model, prefix in self._step_models():
+            for key, owner in parameter_owners(model, prefix).items():
+                if key in stepped:
+                    owners.setdefault(key, owner)
+        rows = [ParamRow(o.layer, o.param, type(o.module), o.tensor.numel()) for o in owners.values()]
+        return build_layers(rows, (), self.skip)
 
     def _step_models(self) -> list[tuple[nn.Module, str]]:
         """The models step scope covers: those given to :meth:`compile` or :meth:`step`, then the

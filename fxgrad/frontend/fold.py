@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from fxgrad import _compat
 from fxgrad.core import match
+from fxgrad.core.layers import Layer
 from fxgrad.core.rule import Transform
 from fxgrad.core.warn import warn, warn_once
 from fxgrad.frontend.coverage import CoverageWarning
@@ -148,9 +149,10 @@ def _own_factors(transform: Transform | None) -> tuple[list[Transform], list[Tra
     return routed, [leaf for leaf in leaves if leaf.folds is None and leaf.apply_to == "grad"]
 
 
-def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> str | None:
-    """A warning when ``optimizer``'s update divides out everything ``transform`` does, or,
-    for a sign-only update (``Rprop``), what any of its gradient-scaling leaves does.
+def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None, layers: Sequence[Layer]) -> str | None:
+    """A warning when ``optimizer``'s update divides out everything ``transform`` does to
+    ``layers`` (those it steps), or, for a sign-only update (``Rprop``), what any of its
+    gradient-scaling leaves does to them.
 
     A per-layer factor that holds across steps scales a layer's ``m`` and
     ``sqrt(v)`` alike, so Adam's ``m / sqrt(v)`` is unchanged: ``rescale(alpha=0,
@@ -158,12 +160,9 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> 
     """
     if transform is None:
         return None
+    acting = [route for route in transform.routes(layers) if route.layers and route.leaf.folds != "identity"]
     if isinstance(optimizer, SIGN_ONLY):
-        moot = [
-            leaf
-            for leaf in transform.leaves()
-            if leaf.folds != "identity" and leaf.apply_to == "grad" and leaf.keeps_signs
-        ]
+        moot = list({id(r.leaf): r.leaf for r in acting if r.leaf.apply_to == "grad" and r.leaf.keeps_signs}.values())
         if not moot:
             return None
         movable = [leaf for leaf in moot if "apply_to" in {f.name for f in dataclasses.fields(leaf)}]
@@ -179,8 +178,8 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None) -> 
         )
     if not isinstance(optimizer, NORMALIZING) and match.key_repr(type(optimizer)) not in NORMALIZING_ELSEWHERE:
         return None
-    acting = [leaf for leaf in transform.leaves() if leaf.folds != "identity"]
-    if not acting or not all(leaf.fixed_factors() for leaf in acting):
+    factors = [route.leaf.fixed_factor(layer) for route in acting for layer in route.layers]
+    if None in factors or all(factor == 1 for factor in factors):  # one acts, or none on these layers
         return None
     how = (
         "divides each matrix's momentum by its norm (before orthogonalizing it)"

@@ -83,8 +83,8 @@ class Rescale(ScaleLeaf):
     decay: float = field(0.9, kw_only=True, shown=lambda rule: rule.target == "ema")
     apply_to: str = apply_to_field()
 
-    def fixed_factors(self) -> bool:
-        return self.alpha == 0 and self.apply_to == "grad"  # only the multipliers are left
+    def fixed_factor(self, layer: Layer) -> float | None:
+        return self.multiplier(layer) if self.alpha == 0 and self.apply_to == "grad" else None
 
     def __post_init__(self) -> None:
         target = self.target
