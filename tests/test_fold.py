@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -716,6 +717,18 @@ def test_a_multiplier_on_layers_another_optimizer_steps_is_not_reported_as_cance
                     optimizer.zero_grad()
         weighted.append(net[4].weight.detach())
     assert not torch.allclose(*weighted, rtol=1e-3)  # the multiplier acted
+
+
+def test_a_gradient_multiplier_beside_an_update_level_rule_is_reported_as_cancelled():
+    """The update-level rule scales what the step changes; the gradient-level multiplier beside
+    it still cancels under Adam, and the warning names that rule alone."""
+    torch.manual_seed(0)
+    model = mlp()
+    grads = fxgrad.rescale(alpha=0, multipliers={"0": 3.0})
+    policy = fxgrad.chain(grads, fxgrad.rescale(alpha=0, multipliers={"2": 2.0}, apply_to="update"))
+    backend = fxgrad.backend(policy, compiler="aot_eager")
+    with pytest.warns(fxgrad.CoverageWarning, match=rf"^fxgrad: {re.escape(repr(grads))} only multiplies .* Adam's"):
+        train(model, torch.optim.Adam(model.parameters(), lr=1e-2), 2, backend=backend)
 
 
 @pytest.mark.parametrize("scope", ["graph", "step"])

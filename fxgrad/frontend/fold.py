@@ -178,18 +178,21 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None, lay
         )
     if not isinstance(optimizer, NORMALIZING) and match.key_repr(type(optimizer)) not in NORMALIZING_ELSEWHERE:
         return None
-    factors = [route.leaf.fixed_factor(layer) for route in acting for layer in route.layers]
+    on_grads = [route for route in acting if route.leaf.apply_to == "grad"]  # not those scaling the update
+    factors = [route.leaf.fixed_factor(layer) for route in on_grads for layer in route.layers]
     if None in factors or all(factor == 1 for factor in factors):  # one acts, or none on these layers
         return None
+    leaves = list(dict.fromkeys(repr(route.leaf) for route in on_grads))
+    one = len(leaves) == 1
     how = (
         "divides each matrix's momentum by its norm (before orthogonalizing it)"
         if isinstance(optimizer, torch.optim.Muon)
         else "divides the gradient by its running RMS"
     )
     return (
-        f"fxgrad: {transform!r} only multiplies each layer's gradient by a factor that is the same on every "
-        f"step, and {type(optimizer).__name__}'s update {how}, so the factor cancels: the weights move as "
-        "without the policy (up to float rounding). Put the factor on the update "
+        f"fxgrad: {', '.join(leaves)} only multipl{'ies' if one else 'y'} each layer's gradient by a factor that is "
+        f"the same on every step, and {type(optimizer).__name__}'s update {how}, so the factor cancels: the "
+        f"weights move as without {'it' if one else 'them'} (up to float rounding). Put the factor on the update "
         "instead (apply_to='update': a per-layer learning-rate scale), or use SGD, where it acts."
     )
 
