@@ -1,6 +1,7 @@
 """``fxgrad.explain`` reports per-layer decisions and leaves the model as it was."""
 
 import gc
+import types
 
 import models
 import pytest
@@ -289,3 +290,43 @@ class NoGradOutput(nn.Module):
 def test_an_output_without_a_gradient_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="output has no gradient"):
         fxgrad.explain(NoGradOutput(), torch.randn(2, 4), backend=aot(fxgrad.clip_by_norm(1.0)))
+
+
+class _WithLoss(nn.Module):
+    """A Hugging Face style output whose ``loss`` is whatever ``make_loss`` makes of the logits."""
+
+    def __init__(self, make_loss):
+        super().__init__()
+        self.fc, self.make_loss = nn.Linear(4, 4), make_loss
+
+    def forward(self, x):
+        logits = self.fc(x)
+        return types.SimpleNamespace(loss=self.make_loss(logits), logits=logits)
+
+
+@pytest.mark.parametrize(
+    "make_loss, said",
+    [(lambda y: y.pow(2).mean().detach(), "without a gradient"), (lambda y: y.pow(2), r"a tensor of shape \(2, 4\)")],
+    ids=["detached", "not_a_scalar"],
+)
+def test_a_loss_explain_cannot_backpropagate_is_refused_with_the_reason(make_loss, said):
+    with pytest.raises(ValueError, match=rf"output\.loss, and it is {said}"):
+        fxgrad.explain(_WithLoss(make_loss), torch.randn(2, 4), backend=aot(fxgrad.clip_by_norm(1.0)))
+
+
+class _DetachedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x), self.fc2(x).detach()
+
+
+def test_a_layer_whose_output_misses_the_loss_is_shown_without_a_gradient_not_as_uncaptured():
+    """It is in the one graph, with no gradient (as in eager); the row said "in another compiled
+    graph (a graph break ...)" until a sweep found it."""
+    report = fxgrad.explain(_DetachedHead(), torch.randn(2, 4), backend=aot(fxgrad.clip_by_global_norm(1.0)))
+    actions = {row.name: row.action for row in report.layers}
+    assert actions["fc2"].startswith("no gradient: a graph holds it, and its output does not reach the loss")
+    assert actions["fc"] == "clip_by_global_norm(max_norm=1.0)"

@@ -636,12 +636,17 @@ def test_a_fold_that_falls_back_leaves_the_optimizer_to_another_backend():
     ],
 )
 def test_explain_says_the_gradients_are_folded(scope, said):
+    """... and shows the graph or the program training runs: no pass that scales the gradients
+    (graph scope showed one, from a backward compiled unfolded, until a sweep found it)."""
     model = mlp()
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     backend.fold(optimizer)
-    table = fxgrad.explain(model, torch.randn(4, 8), backend=backend).table()
-    assert said in table
+    report = fxgrad.explain(model, torch.randn(4, 8), backend=backend)
+    assert said in report.table()
+    shown = report.inserted if scope == "graph" else report.program
+    assert "# layer norms" in shown and "# scale gradients" not in shown
+    assert optimizer.state == {}  # explain folded into a copy
 
 
 @pytest.mark.parametrize("scope", ["graph", "step"])

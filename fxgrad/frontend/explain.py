@@ -202,6 +202,9 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
     restored = _restored(model, (args, kwargs))
     with restored, handed_back(model), set_aside, warnings.catch_warnings(record=True) as caught, capture:
         warnings.simplefilter("always", CoverageWarning)
+        folded = _optimizer_copy(backend, model, in_graph=True) if probe.current_scope() == "graph" else None
+        if folded is not None:  # the backward graphs leave the factor to the update, as training's do
+            probe.fold(folded)
         compiled = probe.compile(model)
         try:
             loss = _loss_of(compiled(*args, **kwargs))
@@ -209,7 +212,7 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
             step_scope = None
             if probe.transform is not None and probe.current_scope() == "step":
                 step_scope = step_routes(probe.transform, [(model, "")], probe.skip, probe.registry.forward_order())[1]
-                update = _update_copy(backend, model)
+                update = _optimizer_copy(backend, model, in_graph=False)
                 with (
                     collector.step_program() if collector is not None else contextlib.nullcontext(),
                     _weights_restored(model) if update is not None else contextlib.nullcontext(),
@@ -282,6 +285,8 @@ def _decisions(model: nn.Module, probe: Backend, step_scope: list | None) -> lis
             compiled_for = reused_as[name]
             done = " -> ".join(actions.get(compiled_for, ["untouched"]))
             action = f"{done}  (in the graph compiled for {compiled_for}, which Dynamo runs for it too)"
+        elif name not in seen and any(p.layer == name for graph in probe.graphs if graph.trains for p in graph.params):
+            action = "no gradient: a graph holds it, and its output does not reach the loss (detached or unused)"
         elif name not in seen:
             action = "not captured: " + _where(probe, name)
         elif name in actions:
@@ -309,6 +314,12 @@ def _loss_of(output: Any) -> torch.Tensor:
     the floating-point outputs."""
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError(
+                f"explain runs one backward from the model's output.loss, and it is "
+                f"{'a tensor of shape ' + str(tuple(loss.shape)) if loss.numel() != 1 else 'without a gradient'}: "
+                "give explain a model whose loss is one number computed from its parameters"
+            )
         return loss
     first = output[0] if isinstance(output, (tuple, list)) and output else None
     if isinstance(first, torch.Tensor) and first.dim() == 0 and first.is_floating_point() and first.requires_grad:
@@ -335,12 +346,13 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def _update_copy(backend: Backend, model: nn.Module) -> torch.optim.Optimizer | None:
-    """A fresh copy (no state) of the optimizer over ``model``'s parameters whose update
-    ``backend``'s step program runs (``backend.fold``), if there is one."""
+def _optimizer_copy(backend: Backend, model: nn.Module, in_graph: bool) -> torch.optim.Optimizer | None:
+    """A fresh copy (no state) of an optimizer over ``model``'s parameters that ``backend``
+    folds into (``backend.fold``), if there is one: in graph scope (``in_graph``) any, which the
+    backward graphs leave the factor to; in step scope one whose update the step program runs."""
     ours = {id(p) for p in model.parameters()}
     for optimizer in backend.folded_into():
-        if backend.runs_update_of(optimizer) and not stepped_ids(optimizer).isdisjoint(ours):
+        if (in_graph or backend.runs_update_of(optimizer)) and not stepped_ids(optimizer).isdisjoint(ours):
             return type(optimizer)([{**group, "params": list(group["params"])} for group in optimizer.param_groups])
     return None
 
