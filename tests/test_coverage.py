@@ -1356,11 +1356,12 @@ def test_models_compiled_one_by_one_in_step_scope_get_the_clip_of_everything_ste
         torch.testing.assert_close(actual, wanted, rtol=1e-6, atol=1e-7)
 
 
-def _functional_step(compiled, model):
+def _functional_step(compiled, model, swap=lambda name: True):
     """A forward through ``torch.func.functional_call`` with tensors computed from the parameters
-    (a weight perturbation, as SAM or weight noise make): the graph's parameter slots hold them."""
+    ``swap`` names (a weight perturbation, as SAM or weight noise make): the graph's parameter
+    slots hold them."""
     torch.manual_seed(1)
-    swapped = {name: p * 1.0 for name, p in model.named_parameters()}
+    swapped = {name: p * 1.0 if swap(name) else p for name, p in model.named_parameters()}
     models.loss_of(torch.func.functional_call(compiled, swapped, (torch.randn(5, 16),))).backward()
 
 
@@ -1401,3 +1402,14 @@ def test_plain_tensors_in_the_parameter_slots_are_clipped_in_step_scope(compile_
     torch.optim.SGD(expected.parameters(), lr=0.1).step()
     for (name, got), want in zip(model.named_parameters(), expected.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_one_plain_tensor_in_a_layers_slots_is_reported_as_such_not_as_part_of_a_layer(compile_with):
+    """The layer's other parameter is in the graph: the report named a graph break or an unused
+    weight ("would see only part of its layers") before the stand-in, until a sweep found it."""
+    torch._dynamo.reset()
+    model, _ = models.mlp()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="graph")
+    with pytest.raises(fxgrad.CoverageError, match=r"parameter slots net\.0\.weight \(torch\.func") as raised:
+        _functional_step(compile_with(backend, model), model, swap=lambda name: name == "net.0.weight")
+    assert "part of its layers" not in str(raised.value)

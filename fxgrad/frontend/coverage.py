@@ -241,8 +241,10 @@ STAND_INS = (
     "fxgrad: a compiled graph takes plain tensors, not nn.Parameters, in the parameter slots {names} "
     "(torch.func.functional_call, or another reparametrization, put them there). Graph scope transforms the "
     "gradients of nn.Parameter inputs, so the policy {t!r} sees neither these tensors' gradients nor those "
-    "of the parameters they were computed from. Use fxgrad.backend(..., scope='step'): it applies the policy "
-    "to the .grad of the parameters the optimizer steps, after the backward."
+    "of the parameters they were computed from. If they are computed from the parameters (a perturbation), "
+    "use fxgrad.backend(..., scope='step'): it applies the policy to the parameters' .grad at "
+    "optimizer.step(). Tensors trained themselves (functional training) are no module's parameters, and no "
+    "scope reaches them: make them nn.Parameters of a module."
 )
 
 
@@ -292,6 +294,17 @@ class CoverageCheck:
             for name in gap.unplaced:
                 if name in named:
                     self.unplaced[id(named[name])] = weakref.ref(named[name]), f"{gap.route}: {name}"
+        if graph.stand_ins:  # the cause of the gaps of the layers they stand in: said first, alone
+            self.report(
+                STAND_INS.format(names=listed(graph.stand_ins, 20), t=self.transform),
+                fatal=any(leaf.reach == "group" for leaf in self.transform.leaves()),
+            )
+            explained = {name.rpartition(".")[0] for name in graph.stand_ins}
+            gaps = [
+                dataclasses.replace(gap, layers=tuple(r for r in gap.layers if r[0].name not in explained))
+                for gap in gaps
+            ]
+            gaps = [gap for gap in gaps if gap.layers]
         fatal = [gap for gap in gaps if gap.fatal]
         if fatal:
             text = "\n".join(gap.describe() for gap in fatal)
@@ -301,11 +314,6 @@ class CoverageCheck:
             if not gap.fatal:
                 self.warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
         self._hooked(graph, plan)
-        if graph.stand_ins:
-            self.report(
-                STAND_INS.format(names=listed(graph.stand_ins, 20), t=self.transform),
-                fatal=any(leaf.reach == "group" for leaf in self.transform.leaves()),
-            )
         named = self.transform.named(frozen)  # not those a rule over every layer reaches (a LoRA base)
         frozen_targeted = [layer for layer in frozen if layer.name in named]
         if frozen_targeted:
