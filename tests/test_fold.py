@@ -694,6 +694,7 @@ def test_a_fixed_multiplier_under_adam_is_reported_as_cancelled(scope):
         (stem, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),  # SGD: the multiplier acts
         (fxgrad.rescale(alpha=0.5), lambda p: torch.optim.AdamW(p, lr=1e-2)),  # varies per step: acts
         (stem, lambda p: torch.optim.RAdam(p, lr=1e-2)),  # its first steps are momentum SGD's: acts there
+        (stem, lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.5)),  # L2 joins the gradient: acts
     ):
         model = mlp()
         with warnings.catch_warnings():

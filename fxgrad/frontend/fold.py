@@ -70,6 +70,9 @@ NORMALIZING = (
 )
 NORMALIZING_ELSEWHERE = {"transformers.optimization.Adafactor"}  # by name: fxgrad does not import them
 SIGN_ONLY = (torch.optim.Rprop,)  # moves each weight by the sign of its gradient
+# Updates that add weight_decay * w to the gradient before they normalize it (unless a group says
+# decoupled_weight_decay, as AdamW's do): a factor on the gradient then changes its share, and acts.
+COUPLED_DECAY = (torch.optim.Adam, torch.optim.NAdam, torch.optim.Adamax, torch.optim.RMSprop, torch.optim.Adagrad)
 
 _SET_HERE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # grad_scale set by fxgrad, not a GradScaler
 _FOLDED_BY: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
@@ -177,6 +180,10 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None, lay
             f"move as without them. {fix}."
         )
     if not isinstance(optimizer, NORMALIZING) and match.key_repr(type(optimizer)) not in NORMALIZING_ELSEWHERE:
+        return None
+    if isinstance(optimizer, COUPLED_DECAY) and any(
+        group.get("weight_decay") and not group.get("decoupled_weight_decay") for group in optimizer.param_groups
+    ):
         return None
     on_grads = [route for route in acting if route.leaf.apply_to == "grad"]  # not those scaling the update
     factors = [route.leaf.fixed_factor(layer) for route in on_grads for layer in route.layers]
