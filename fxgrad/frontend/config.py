@@ -174,8 +174,10 @@ def _naming(what: str, parse: Callable[[Any], Any], value: Any) -> Any:
     """``parse(value)``, its ``TypeError`` or ``ValueError`` saying where in the config the value sits."""
     try:
         return parse(value)
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"{what}: {error}") from None
+    except ValueError as error:
+        raise ValueError(f"{what}: {error}") from None
+    except TypeError as error:
+        raise TypeError(f"{what}: {error}") from None
 
 
 def import_class(path: str) -> type:

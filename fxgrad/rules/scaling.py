@@ -223,7 +223,8 @@ class Rescale(ScaleLeaf):
 
 
 def _check_target_signature(target: Callable) -> None:
-    """A callable target must take ``(depth, layer)``, and return a number (not a class's instance)."""
+    """A callable target must be a function of ``(depth, layer)`` returning a number (a class is
+    callable too, but builds an object)."""
     if isinstance(target, type):
         raise TypeError(f"target must be a function target(depth, layer) -> float, got the class {target.__name__}")
     try:
