@@ -30,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat, passes
 from fxgrad.core import match, validate
-from fxgrad.core.layers import DEFAULT_SKIP, Layer, ParamRow, SkipEntry, build_layers, parameter_owners, validate_skip
+from fxgrad.core.layers import DEFAULT_SKIP, Layer, SkipEntry, validate_skip
 from fxgrad.core.rule import Transform, listed
 from fxgrad.core.warn import warn
 from fxgrad.frontend import fold as folding
@@ -61,7 +61,7 @@ from fxgrad.frontend.step_check import (
     trainer_clip,
 )
 from fxgrad.frontend.step_program import StepPrograms
-from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads
+from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads, models_owners, owners_layers
 from fxgrad.frontend.update_factors import UpdateFactors
 from fxgrad.frontend.update_program import UpdateFolds
 from fxgrad.frontend.warm_start import StandIn
@@ -890,13 +890,9 @@ class Backend:
 
     def _layers_stepped_by(self, optimizer: torch.optim.Optimizer) -> list[Layer]:
         """The layers of this backend's models with parameters ``optimizer`` steps."""
-        stepped, owners = stepped_ids(optimizer), {}
-        for model, prefix in self._step_models():
-            for key, owner in parameter_owners(model, prefix).items():
-                if key in stepped:
-                    owners.setdefault(key, owner)
-        rows = [ParamRow(o.layer, o.param, type(o.module), o.tensor.numel()) for o in owners.values()]
-        return build_layers(rows, (), self.skip)
+        stepped = stepped_ids(optimizer)
+        owners = [owner for key, owner in models_owners(self._step_models()).items() if key in stepped]
+        return owners_layers(owners, self.skip)
 
     def _step_models(self) -> list[tuple[nn.Module, str]]:
         """The models step scope covers: those given to :meth:`compile` or :meth:`step`, then the

@@ -43,6 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fxgrad import _compat
 from fxgrad.core.layers import (
     GRAD,
+    Layer,
     ModelParameters,
     Owner,
     ParamRow,
@@ -68,21 +69,33 @@ def step_routes(
 
     Raises :class:`~fxgrad.CoverageError` when two models name different modules alike: their
     layers would merge into one."""
-    owners: dict[int, Owner] = {}
-    for model, prefix in models:
-        for key, owner in parameter_owners(model, prefix).items():
-            owners.setdefault(key, owner)  # a parameter reachable from two models counts once
+    owners = models_owners(models)
     named: dict[str, nn.Module] = {}
     for owner in owners.values():
         if named.setdefault(owner.layer, owner.module) is not owner.module:
             raise CoverageError(SAME_NAMES.format(layer=owner.layer, kind=type(owner.module).__name__))
     with_grad = [o for o in owners.values() if o.tensor.grad is not None]
-    rows = [ParamRow(o.layer, o.param, type(o.module), o.tensor.numel()) for o in with_grad]
-    layers = build_layers(rows, order or list(dict.fromkeys(o.layer for o in owners.values())), skip)
+    layers = owners_layers(with_grad, skip, order or list(dict.fromkeys(o.layer for o in owners.values())))
     routes = [(i, route) for i, route in enumerate(transform.routes(layers)) if route.layers]
     # Without their modules: callers keep them from step to step, and must not keep a model
     # alive (a backend outlives its models: torch._dynamo holds every backend it compiled with).
     return [o._replace(module=None) for o in with_grad], routes
+
+
+def models_owners(models: Sequence[tuple[nn.Module, str]]) -> dict[int, Owner]:
+    """``id(parameter) -> Owner`` over ``(model, layer prefix)`` pairs; a parameter reachable
+    from two models counts once, as the first one names it."""
+    owners: dict[int, Owner] = {}
+    for model, prefix in models:
+        for key, owner in parameter_owners(model, prefix).items():
+            owners.setdefault(key, owner)
+    return owners
+
+
+def owners_layers(owners: Sequence[Owner], skip: Sequence[SkipEntry], order: Sequence[str] = ()) -> list[Layer]:
+    """The layers ``owners``' parameters make up (``order``: the forward order of the layers)."""
+    rows = [ParamRow(o.layer, o.param, type(o.module), o.tensor.numel()) for o in owners]
+    return build_layers(rows, order, skip)
 
 
 def apply_to_grads(
