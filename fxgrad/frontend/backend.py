@@ -794,13 +794,13 @@ class Backend:
         unlike :meth:`step`, the model is not remembered for later ``optimizer.step()``
         calls. ``scaler``: the ``GradScaler`` whose scale the gradients still carry, if any;
         ``optimizer``: the one about to step, which update-level factors (``apply_to="update"``)
-        scale the step of.
+        scale the step of, and whose update the step program runs if :meth:`fold` folded it.
         """
         if self.transform is None:
             return
         self._meet(model, at_step=True)
         models = [(model, "")]
-        self._apply_to_grads(models, scaler, self._step.parameters(models))  # the kept walk: this runs every step
+        self._apply_to_grads(models, scaler, self._step.parameters(models), optimizer)  # the kept walk: every step
         if optimizer is not None and self._update_factors is not None:
             self._update_factors.before_step(optimizer, models)
 

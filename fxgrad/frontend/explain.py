@@ -217,12 +217,10 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
                     collector.step_program() if collector is not None else contextlib.nullcontext(),
                     _weights_restored(model) if update is not None else contextlib.nullcontext(),
                 ):
-                    if update is None:
-                        probe.transform_grads(model)  # on this backward's gradients; _restored puts .grad back
-                    else:  # the program the folded step runs, with the optimizer's update
+                    if update is not None:  # the program the folded step runs, with the optimizer's update
                         probe.fold(update)
-                        probe._meet(model, at_step=True)
-                        probe._apply_to_grads([(model, "")], None, optimizer=update)
+                    # on this backward's gradients; _restored puts .grad back
+                    probe.transform_grads(model, optimizer=update)
         finally:
             probe.retire()
             untrack_wrapper(model, compiled)
