@@ -307,13 +307,45 @@ def test_graph_scope_folds_only_what_its_graphs_have_not_scaled():
     compiled = torch.compile(model, backend=backend)
     compiled(torch.randn(4, 8)).sum().backward()
     optimizer.step()  # one backward: folded
+    optimizer.zero_grad()
     compiled(torch.randn(4, 8)).sum().backward()
     compiled(torch.randn(4, 8)).sum().backward()
-    with pytest.raises(ValueError, match=r"fold in graph scope: 2 backward passes"):
+    with pytest.raises(ValueError, match=r"fold in graph scope: .grad holds the gradients of 2 backward passes"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             optimizer.step()
     assert any("still held the previous backward's gradient" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_passes_whose_gradients_are_dropped_leave_no_factor_to_the_fold(scope):
+    """A step skipped after its backward (a loss spike: zero_grad(), continue) and an adversarial
+    attack's torch.autograd.grad pass write nothing the step takes: folded, the weights equal the
+    eager clip's. Graph scope refused both as two backwards with factors of their own."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope=scope)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    backend.fold(optimizer)
+    compiled = torch.compile(model, backend=backend)
+    expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, fused=True)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(6):
+        x = torch.randn(16, 8, generator=gen)
+        for net, opt, clip in ((compiled, optimizer, False), (expected, expected_optimizer, True)):
+            if step % 3 == 1:  # attacked: the input's gradient, before the backward stepped
+                attacked = x.clone().requires_grad_(True)
+                torch.autograd.grad(net(attacked).pow(2).mean() * 30.0, attacked)
+            (net(x).pow(2).mean() * 30.0).backward()
+            if step % 3 == 2:  # skipped: its gradients dropped
+                opt.zero_grad()
+                continue
+            if clip:
+                torch.nn.utils.clip_grad_norm_(expected.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+    assert_same_weights(model, expected)
 
 
 @pytest.mark.parametrize("scope", SCOPES)

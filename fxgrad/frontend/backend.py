@@ -145,6 +145,8 @@ class Backend:
         self._models: list[weakref.ref] = []  # models handed to torch.compile with it, or to step()
         self._graph_runs = 0  # calls of compiled forwards
         self._backwards = 0  # backward passes through its graphs
+        # graph scope: (the latest backward pass through them, how many of their backwards .grad holds)
+        self._parts: tuple[int | None, int] = (None, 0)
         self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models compile() watches per forward
         # Gradients summed over backward passes or forwards in graph scope (a parameter per graph
         # call, or per model that compile() watches), each with the warning the next step of an
@@ -176,6 +178,7 @@ class Backend:
         self._folds = folding.Folds(  # see fold()
             transform,
             self._factors_left,
+            lambda: self._parts[1],
             lambda: self.store.stat("folded_factor"),
             self._our_ids,
             lambda: self.current_scope() == "graph",
@@ -266,7 +269,7 @@ class Backend:
         # watch per forward (the plain torch.compile path), not on every call of every graph, and
         # not for a graph that computes no gradient (an EMA copy's).
         unwatched = self._step_check is not None and graph.trains and self._step_check.unwatched(graph)
-        # A folded graph leaves its factor to the optimizer: one backward per step may, no more (see fold()).
+        # A folded graph leaves its factor to the optimizer: .grad may hold one backward's, no more (see fold()).
         # Not one that trains nothing (a frozen discriminator's, in a GAN's generator step): it leaves none.
         folded = self._folds.graphs_leave_factor and self.current_scope() == "graph"
         step_scope = self.current_scope() == "step"
@@ -410,6 +413,8 @@ class Backend:
         if not first():
             return
         self._backwards += 1
+        if self.current_scope() == "graph":
+            self._count_part(probe)
         if probe is None:
             return
         if self.current_scope() == "step":
@@ -418,6 +423,17 @@ class Backend:
             self._policy_runs.backward_started(probe, writes.holds_last_backward(probe), writes.written(probe))
         elif unwatched:
             self._writes.reaches(probe, self.registry.model_name(graph), graph)
+
+    def _count_part(self, probe: nn.Parameter | None) -> None:
+        """Graph scope: count a backward through a graph among those whose gradients ``.grad``
+        holds. A backward pass whose first graph finds no gradient in ``.grad`` (``zero_grad()``
+        dropped the earlier ones, or none was written: ``torch.autograd.grad``) starts the count
+        again; zeroed in place (``set_to_none=False``) it counts on, as a sum."""
+        current = _compat.backward_pass_id()
+        last, parts = self._parts
+        if current != last and probe is not None and probe.grad is None:
+            parts = 0
+        self._parts = current, parts + 1
 
     def compile(self, model: nn.Module, *, in_place: bool = False, **compile_kwargs: Any) -> nn.Module:
         """``torch.compile(model, backend=self, **compile_kwargs)``, checked at each forward.
@@ -635,9 +651,11 @@ class Backend:
         Where it cannot, ``grad_scale`` carries the factor. In graph scope the
         backward graph reads them and returns the gradients unscaled; call ``fold()``
         before the model's first forward (the graphs compiled before keep scaling),
-        and run one backward per step through one graph: the step refuses more
-        (``ValueError``: each backward had its own factor, which one ``grad_scale``
-        cannot hold; accumulation and graph breaks need ``scope="step"``).
+        and let ``.grad`` hold one backward through one graph at each step: the step
+        refuses more (``ValueError``: each backward had its own factor, which one
+        ``grad_scale`` cannot hold; accumulation and graph breaks need ``scope="step"``).
+        A backward whose gradients ``zero_grad()`` dropped (a step skipped) or that wrote
+        none (``torch.autograd.grad``) leaves no factor the step takes.
 
         In step scope any other policy folds that way too: the step program runs the update on
         the gradients it has just transformed. Other combinations keep the scaling pass,

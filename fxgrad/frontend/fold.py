@@ -273,11 +273,13 @@ class Folds:
 
     ``left()`` counts the factors the policy has left to folded updates so far (one per
     backward through the graphs in graph scope, one per run of the policy in step scope);
+    ``held()``, in graph scope, how many of those backwards' gradients ``.grad`` holds (a
+    backward after ``zero_grad()`` drops the earlier ones' factors with their gradients);
     ``factor()`` is the latest (the statistic ``folded_factor``, a device tensor); ``ours()``
     the ids of the parameters of the backend's models; ``in_graph()`` whether the policy runs
     in the backward graphs now::
 
-        folds = Folds(transform, left, factor, ours, in_graph)
+        folds = Folds(transform, left, held, factor, ours, in_graph)
         folds.add(optimizer)                    # once check(), claim() and fallback() allow it
         factors = folds.check_step(optimizer)   # before each update; raises on one it cannot fold
         if factors is not None:
@@ -288,12 +290,14 @@ class Folds:
         self,
         transform: Transform | None,
         left: Callable[[], int],
+        held: Callable[[], int],
         factor: Callable[[], torch.Tensor],
         ours: Callable[[], frozenset[int]],
         in_graph: Callable[[], bool],
     ) -> None:
         self.transform = transform
-        self._left, self._factor, self._ours, self._in_graph = left, factor, ours, in_graph
+        self._left, self._held, self._factor = left, held, factor
+        self._ours, self._in_graph = ours, in_graph
         # per folded optimizer: the count of factors left as of its last step (see left) ...
         self._counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         # ... and as of the last update that applied a factor (after the step: see as_applied)
@@ -349,11 +353,11 @@ class Folds:
             return None
         count = self._left()
         factors, self._counts[optimizer] = count - self._counts[optimizer], count
-        if self._in_graph() and factors > 1:
+        if self._in_graph() and factors > 1 and self._held() > 1:
             raise ValueError(
-                f"fold in graph scope: {factors} backward passes through the compiled graphs since the last "
-                "step (accumulated micro-batches, a graph break, retain_graph, an adversarial attack's "
-                "torch.autograd.grad of the input, an optimizer.step() skipped after a backward, a GAN's "
+                f"fold in graph scope: .grad holds the gradients of {self._held()} backward passes through the "
+                "compiled graphs (accumulated micro-batches, a graph break, retain_graph, a backward after "
+                "zero_grad(set_to_none=False), or without zero_grad() after a step skipped, a GAN's "
                 "generator step backpropagating through the discriminator: freeze it for that step, "
                 "requires_grad_(False), or one backend folded into the optimizers of two models: give each "
                 "model a backend of its own): each left its own factor, which one grad_scale cannot hold. Use "
