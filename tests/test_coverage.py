@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import dataclasses
+import logging
 import re
 import threading
 import types
@@ -460,6 +461,49 @@ def test_a_copy_that_computes_no_gradient_adds_no_per_step_check():
             with torch.no_grad():
                 ema(x)
     assert not backend._step_check._counting
+
+
+class LabelledLM(nn.Module):
+    """A causal LM's shape: the training call (with labels) breaks the graph before any layer,
+    the evaluation call (without) runs the whole forward as one graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(50, 16), nn.Linear(16, 50)
+
+    def forward(self, ids, labels=None):
+        if labels is not None:
+            torch._dynamo.graph_break()
+        logits = self.head(torch.tanh(self.emb(ids)))
+        return logits if labels is None else nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_an_evaluation_graph_is_no_part_of_the_training_forward():
+    """Evaluation forwards under no_grad between steps, with new sequence lengths: the training
+    graph's recompile for dynamic shapes compiles its backward at once, and the coverage check
+    took the evaluation graph, which computes no gradient, for a part of the same forward (a
+    CoverageError in torch's warning log; the backward compiled again when it ran)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torch._functorch._aot_autograd.graph_compile")
+    logger.addHandler(handler)
+    model = LabelledLM()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    try:
+        with coverage_silent():
+            for length in (8, 12, 16):
+                ids = torch.randint(0, 50, (2, length))
+                compiled(ids, ids).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                with torch.no_grad():
+                    compiled(ids)
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "CoverageError" in str(r.exc_info)], [r.getMessage() for r in records]
 
 
 class BrokenBlock(nn.Module):

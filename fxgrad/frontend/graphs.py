@@ -198,7 +198,8 @@ class GraphRegistry:
         }
 
     def parts_of_same_forward(self, graph: CapturedGraph) -> list[CapturedGraph]:
-        """Other graphs of the same models that run in the same forward as ``graph``.
+        """Other graphs of the same models that run in the same forward as ``graph`` and compute
+        gradients (one compiled under ``torch.no_grad``, an evaluation's, splits no gradient).
 
         A graph break continues the forward in a new frame (a new frame id); a
         recompile of the same frame (same frame id) is an alternative. So are the
@@ -220,7 +221,8 @@ class GraphRegistry:
         return [
             other
             for other in relatives
-            if other.compile_id == graph.compile_id or (other.compile_id[0] != frame and other.last_run >= start)
+            if other.trains
+            and (other.compile_id == graph.compile_id or (other.compile_id[0] != frame and other.last_run >= start))
         ]
 
     def layers_elsewhere(self, graph: CapturedGraph) -> set[str]:
@@ -236,7 +238,7 @@ class GraphRegistry:
         """The names of the parameters that other compiled graphs that compute gradients hold: those
         of the same forward (a graph break), and all (a recompile for other inputs holds some too; a
         parameter in none is unused, or runs eagerly)."""
-        same = {p.name for part in self.parts_of_same_forward(graph) if part.trains for p in part.params}
+        same = {p.name for part in self.parts_of_same_forward(graph) for p in part.params}
         return same, same | {p.name for other in self.training() if other is not graph for p in other.params}
 
     def shared_layers(self, graph: CapturedGraph, has_grad: set[int]) -> set[str]:
@@ -253,7 +255,7 @@ class GraphRegistry:
                 f"in the graph compiled for {compiled_for!r}, which Dynamo runs for it too (a graph break inside a "
                 "repeated block's forward)"
             )
-        if any(p.layer == layer for part in self.parts_of_same_forward(graph) if part.trains for p in part.params):
+        if any(p.layer == layer for part in self.parts_of_same_forward(graph) for p in part.params):
             return "in another compiled graph of the same forward (a graph break)"
         if any(p.layer == layer for other in self.training() for p in other.params):
             return "in another compiled graph (a graph break, or a recompile for a branch taken on other inputs)"
