@@ -145,8 +145,8 @@ class Backend:
         self._models: list[weakref.ref] = []  # models handed to torch.compile with it, or to step()
         self._graph_runs = 0  # calls of compiled forwards
         self._backwards = 0  # backward passes through its graphs
-        # graph scope: (the latest backward pass through them, how many of their backwards .grad holds)
-        self._parts: tuple[int | None, int] = (None, 0)
+        # graph scope, folded: the latest backward pass through them (see _note_pass)
+        self._last_pass: tuple[int | None, int, bool, frozenset[int]] = (None, 0, False, frozenset())
         self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models compile() watches per forward
         # Gradients summed over backward passes or forwards in graph scope (a parameter per graph
         # call, or per model that compile() watches), each with the warning the next step of an
@@ -178,7 +178,7 @@ class Backend:
         self._folds = folding.Folds(  # see fold()
             transform,
             self._factors_left,
-            lambda: self._parts[1],
+            self._holds_last_pass_alone,
             lambda: self.store.stat("folded_factor"),
             self._our_ids,
             lambda: self.current_scope() == "graph",
@@ -412,9 +412,9 @@ class Backend:
         it), :class:`GradWrites` notes what the backward sums into ``.grad``."""
         if not first():
             return
+        if self._folds and self.current_scope() == "graph":
+            self._note_pass(graph)
         self._backwards += 1
-        if self.current_scope() == "graph":
-            self._count_part(probe)
         if probe is None:
             return
         if self.current_scope() == "step":
@@ -424,16 +424,31 @@ class Backend:
         elif unwatched:
             self._writes.reaches(probe, self.registry.model_name(graph), graph)
 
-    def _count_part(self, probe: nn.Parameter | None) -> None:
-        """Graph scope: count a backward through a graph among those whose gradients ``.grad``
-        holds. A backward pass whose first graph finds no gradient in ``.grad`` (``zero_grad()``
-        dropped the earlier ones, or none was written: ``torch.autograd.grad``) starts the count
-        again; zeroed in place (``set_to_none=False``) it counts on, as a sum."""
+    def _note_pass(self, graph: CapturedGraph) -> None:
+        """Graph scope, folded: note a backward through ``graph`` for :meth:`_holds_last_pass_alone`:
+        the pass, its count of graphs, and, when a backward ran since a folded optimizer's last
+        step (else no step will ask), whether ``graph`` found no gradient in ``.grad`` of its
+        parameters (a walk of them: not on the steps of a loop with one backward per step)."""
         current = _compat.backward_pass_id()
-        last, parts = self._parts
-        if current != last and probe is not None and probe.grad is None:
-            parts = 0
-        self._parts = current, parts + 1
+        if self._last_pass[0] == current:  # a second graph in one pass: each left a factor of its own
+            self._last_pass = current, self._last_pass[1] + 1, False, frozenset()
+        elif self._folds.behind(self._backwards):
+            params = [t for p in graph.params if (t := p.tensor()) is not None]
+            fresh = all(t.grad is None for t in params)
+            self._last_pass = current, 1, fresh, frozenset(map(id, params))
+        else:
+            self._last_pass = current, 1, False, frozenset()
+
+    def _holds_last_pass_alone(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the gradients ``optimizer`` steps are the latest backward pass's alone, so that
+        the latest factor describes them though other passes ran since its last step (their
+        gradients dropped by ``zero_grad()``: a step skipped after a loss spike; or never written:
+        an adversarial attack's ``torch.autograd.grad``): one graph, which found no gradient in
+        ``.grad`` of its parameters, and holds every parameter with one that ``optimizer`` steps."""
+        _, graphs, fresh, params = self._last_pass
+        if graphs != 1 or not fresh:
+            return False
+        return all(p.grad is None or id(p) in params for group in optimizer.param_groups for p in group["params"])
 
     def compile(self, model: nn.Module, *, in_place: bool = False, **compile_kwargs: Any) -> nn.Module:
         """``torch.compile(model, backend=self, **compile_kwargs)``, checked at each forward.
@@ -654,8 +669,9 @@ class Backend:
         and let ``.grad`` hold one backward through one graph at each step: the step
         refuses more (``ValueError``: each backward had its own factor, which one
         ``grad_scale`` cannot hold; accumulation and graph breaks need ``scope="step"``).
-        A backward whose gradients ``zero_grad()`` dropped (a step skipped) or that wrote
-        none (``torch.autograd.grad``) leaves no factor the step takes.
+        Earlier backwards whose gradients ``zero_grad()`` dropped (a step skipped) or that
+        wrote none (``torch.autograd.grad`` before the backward) are fine: the step's
+        gradients are then the latest backward's alone, whose factor it takes.
 
         In step scope any other policy folds that way too: the step program runs the update on
         the gradients it has just transformed. Other combinations keep the scaling pass,

@@ -273,13 +273,13 @@ class Folds:
 
     ``left()`` counts the factors the policy has left to folded updates so far (one per
     backward through the graphs in graph scope, one per run of the policy in step scope);
-    ``held()``, in graph scope, how many of those backwards' gradients ``.grad`` holds (a
-    backward after ``zero_grad()`` drops the earlier ones' factors with their gradients);
+    ``alone(optimizer)``, in graph scope, whether the gradients ``optimizer`` steps are the
+    latest backward's alone (``zero_grad()`` dropped the earlier ones' with their factors);
     ``factor()`` is the latest (the statistic ``folded_factor``, a device tensor); ``ours()``
     the ids of the parameters of the backend's models; ``in_graph()`` whether the policy runs
     in the backward graphs now::
 
-        folds = Folds(transform, left, held, factor, ours, in_graph)
+        folds = Folds(transform, left, alone, factor, ours, in_graph)
         folds.add(optimizer)                    # once check(), claim() and fallback() allow it
         factors = folds.check_step(optimizer)   # before each update; raises on one it cannot fold
         if factors is not None:
@@ -290,13 +290,13 @@ class Folds:
         self,
         transform: Transform | None,
         left: Callable[[], int],
-        held: Callable[[], int],
+        alone: Callable[[torch.optim.Optimizer], bool],
         factor: Callable[[], torch.Tensor],
         ours: Callable[[], frozenset[int]],
         in_graph: Callable[[], bool],
     ) -> None:
         self.transform = transform
-        self._left, self._held, self._factor = left, held, factor
+        self._left, self._alone, self._factor = left, alone, factor
         self._ours, self._in_graph = ours, in_graph
         # per folded optimizer: the count of factors left as of its last step (see left) ...
         self._counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
@@ -320,6 +320,10 @@ class Folds:
         from the first fold on, for good: graphs compiled then keep leaving it when the folded
         optimizer is gone (replaced by a new one, which must be folded again)."""
         return self._graphs_leave_it
+
+    def behind(self, count: int) -> bool:
+        """Whether a folded optimizer has not stepped since ``count`` factors were left."""
+        return any(last < count for last in self._counts.values())
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The folded optimizers (while they live)."""
@@ -353,11 +357,12 @@ class Folds:
             return None
         count = self._left()
         factors, self._counts[optimizer] = count - self._counts[optimizer], count
-        if self._in_graph() and factors > 1 and self._held() > 1:
+        if self._in_graph() and factors > 1 and not self._alone(optimizer):
             raise ValueError(
-                f"fold in graph scope: .grad holds the gradients of {self._held()} backward passes through the "
-                "compiled graphs (accumulated micro-batches, a graph break, retain_graph, a backward after "
-                "zero_grad(set_to_none=False), or without zero_grad() after a step skipped, a GAN's "
+                f"fold in graph scope: {factors} backward passes through the compiled graphs since the last "
+                "step, and .grad does not hold the latest one's gradients alone (accumulated micro-batches, "
+                "a graph break, retain_graph, an adversarial attack's torch.autograd.grad after the backward, "
+                "a step skipped without zero_grad() or with zero_grad(set_to_none=False), a GAN's "
                 "generator step backpropagating through the discriminator: freeze it for that step, "
                 "requires_grad_(False), or one backend folded into the optimizers of two models: give each "
                 "model a backend of its own): each left its own factor, which one grad_scale cannot hold. Use "
