@@ -58,6 +58,7 @@ __all__ = [
     "compiled_backward_nodes",
     "layout_check",
     "may_record_grad",
+    "outputs_require_grad",
     "foreach_mul_",
     "foreach_norm",
     "data_parallel_world_size",
@@ -715,6 +716,18 @@ def may_record_grad(gm: torch.fx.GraphModule) -> bool:
     return torch.is_grad_enabled() or any(
         bool(node.args and node.args[0])
         for node in gm.graph.find_nodes(op="call_function", target=torch._C._set_grad_enabled)
+    )
+
+
+def outputs_require_grad(gm: torch.fx.GraphModule) -> bool:
+    """Whether an output of Dynamo's graph ``gm`` may require grad (its example value does, or
+    has none to tell): a graph whose outputs all do not (its code under ``torch.no_grad``, a
+    target network's after a graph break) has no backward, whatever its inputs require."""
+    outputs = torch.utils._pytree.tree_leaves(gm.graph.output_node().args)
+    return any(
+        isinstance(node, torch.fx.Node)
+        and (not isinstance(value := node.meta.get("example_value"), torch.Tensor) or value.requires_grad)
+        for node in outputs
     )
 
 

@@ -463,6 +463,44 @@ def test_a_copy_that_computes_no_gradient_adds_no_per_step_check():
     assert not backend._step_check._counting
 
 
+class Agent(nn.Module):
+    """A DQN step's forward: the online network, a graph break, the target network under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.online = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.target = copy.deepcopy(self.online)
+
+    def forward(self, x, next_x):
+        q = self.online(x)
+        torch._dynamo.graph_break()
+        with torch.no_grad():
+            return q, self.target(next_x)
+
+
+def test_a_graph_whose_outputs_need_no_gradient_computes_none():
+    """The target network's graph, compiled in grad mode with its code under no_grad, has no
+    backward: its layers are reported as in graphs that compute no gradient, not as another part
+    of the training forward (a graph break). Frozen, as the message says, it is exact."""
+    agent = Agent()
+    x, next_x = torch.randn(4, 8), torch.randn(4, 8)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    q, target_q = torch.compile(agent, backend=backend)(x, next_x)
+    with pytest.raises(fxgrad.CoverageError, match=r"target\.0 \(Linear\): only in compiled graphs that compute no"):
+        (q - 0.9 * target_q).pow(2).mean().backward()
+    torch._dynamo.reset()
+    agent.target.requires_grad_(False)
+    expected = copy.deepcopy(agent)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    with coverage_silent():
+        q, target_q = torch.compile(agent, backend=backend)(x, next_x)
+        (q - 0.9 * target_q).pow(2).mean().backward()
+    q, target_q = expected(x, next_x)
+    (q - 0.9 * target_q).pow(2).mean().backward()
+    ref.clip_global(expected, 1e-3)
+    assert_grads_close(agent, expected)
+
+
 class LabelledLM(nn.Module):
     """A causal LM's shape: the training call (with labels) breaks the graph before any layer,
     the evaluation call (without) runs the whole forward as one graph."""
