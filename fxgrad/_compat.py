@@ -721,14 +721,26 @@ def may_record_grad(gm: torch.fx.GraphModule) -> bool:
 
 def outputs_require_grad(gm: torch.fx.GraphModule) -> bool:
     """Whether an output of Dynamo's graph ``gm`` may require grad (its example value does, or
-    has none to tell): a graph whose outputs all do not (its code under ``torch.no_grad``, a
-    target network's after a graph break) has no backward, whatever its inputs require."""
+    has none to tell), or the graph writes into a tensor in place (a forward that copies its
+    result into a buffer it was given returns nothing): a graph that does neither (its code
+    under ``torch.no_grad``, a target network's after a graph break) has no backward, whatever
+    its inputs require."""
+    if any(_writes_in_place(node) for node in gm.graph.nodes):
+        return True
     outputs = torch.utils._pytree.tree_leaves(gm.graph.output_node().args)
     return any(
         isinstance(node, torch.fx.Node)
         and (not isinstance(value := node.meta.get("example_value"), torch.Tensor) or value.requires_grad)
         for node in outputs
     )
+
+
+def _writes_in_place(node: torch.fx.Node) -> bool:
+    """Whether a node of a Dynamo graph may write a tensor in place (``x.copy_(y)``, ``x[i] = y``)."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name == "setitem" or (name.endswith("_") and not name.startswith("_"))
 
 
 def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:

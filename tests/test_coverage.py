@@ -501,6 +501,29 @@ def test_a_graph_whose_outputs_need_no_gradient_computes_none():
     assert_grads_close(agent, expected)
 
 
+def test_a_graph_that_writes_a_tensor_in_place_may_compute_gradients():
+    """No output needs a gradient, but the result went into a buffer the call was given: that
+    graph may have a backward; one under no_grad has none."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    layer = nn.Linear(4, 4)
+
+    def write(x, buf):
+        buf.copy_(layer(x))
+
+    def evaluate(x):
+        with torch.no_grad():
+            return layer(x)
+
+    torch.compile(write, backend=keep)(torch.randn(2, 4), torch.zeros(2, 4))
+    torch.compile(evaluate, backend=keep)(torch.randn(2, 4))
+    assert [_compat.outputs_require_grad(gm) for gm in graphs] == [True, False]
+
+
 class LabelledLM(nn.Module):
     """A causal LM's shape: the training call (with labels) breaks the graph before any layer,
     the evaluation call (without) runs the whole forward as one graph."""
