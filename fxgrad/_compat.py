@@ -58,7 +58,7 @@ __all__ = [
     "compiled_backward_nodes",
     "layout_check",
     "may_record_grad",
-    "outputs_require_grad",
+    "may_have_backward",
     "foreach_mul_",
     "foreach_norm",
     "data_parallel_world_size",
@@ -719,12 +719,12 @@ def may_record_grad(gm: torch.fx.GraphModule) -> bool:
     )
 
 
-def outputs_require_grad(gm: torch.fx.GraphModule) -> bool:
-    """Whether an output of Dynamo's graph ``gm`` may require grad (its example value does, or
-    has none to tell), or the graph writes into a tensor in place (a forward that copies its
-    result into a buffer it was given returns nothing): a graph that does neither (its code
-    under ``torch.no_grad``, a target network's after a graph break) has no backward, whatever
-    its inputs require."""
+def may_have_backward(gm: torch.fx.GraphModule) -> bool:
+    """Whether Dynamo's graph ``gm``, compiled in grad mode, may have a backward: an output may
+    require grad (its example value does, or has none to tell), or the graph writes into a
+    tensor in place (a forward that copies its result into a buffer it was given returns
+    nothing). A graph that does neither (its code under ``torch.no_grad``, a target network's
+    after a graph break) has none, whatever its inputs require."""
     if any(_writes_in_place(node) for node in gm.graph.nodes):
         return True
     outputs = torch.utils._pytree.tree_leaves(gm.graph.output_node().args)

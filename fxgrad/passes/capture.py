@@ -228,7 +228,7 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
                 stand_ins.append(_MODULE_SLOT.sub(r".\1", slot.group(0)).strip("."))
     modules = {id(root): (root, chain[0]) for _, _, chain, root in found if root is not None}
     # the modules some of whose parameters this graph may compute gradients of
-    records = _compat.may_record_grad(gm) and _compat.outputs_require_grad(gm)
+    records = _compat.may_record_grad(gm) and _compat.may_have_backward(gm)
     trained = {id(root) for _, value, _, root in found if value.requires_grad} if records else set()
     for key, (module, source) in modules.items():
         if live_root(roots, module) is None:
