@@ -60,6 +60,19 @@ def test_global_clip_covers_skipped_layers_and_says_so():
     )
 
 
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_rule_chained_twice_is_listed_twice(scope):
+    """The action column lists every rule in the chain's order, a repeated one each time (it
+    listed each text once: clip, rescale, clip read as clip, rescale)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    clip = fxgrad.clip_by_norm(0.1)
+    policy = fxgrad.chain(clip, fxgrad.rescale(0.5, target=0.01), clip)
+    report = fxgrad.explain(model, torch.randn(2, 4), backend=aot(policy, scope=scope))
+    assert report.layers[0].action.startswith(
+        "clip_by_norm(max_norm=0.1) -> rescale(alpha=0.5, target=0.01) -> clip_by_norm(max_norm=0.1)"
+    )
+
+
 def test_graphs_before_and_after_with_tagged_nodes():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     report = fxgrad.explain(model, torch.randn(3, 4), backend=aot(fxgrad.clip_by_global_norm(1.0)))

@@ -259,21 +259,21 @@ def _decisions(model: nn.Module, probe: Backend, step_scope: list | None) -> lis
         info.trainable |= owner.tensor.requires_grad
     actions: dict[str, list[str]] = {}
     seen: set[str] = set(layers) if step_scope is not None else set()  # step scope sees every .grad
-    routes = (
-        [route for _, route in step_scope]
-        if step_scope is not None
-        else [route for graph in probe.graphs for route in graph.routes]
-    )
+    # the routes of step scope's program, or of each graph (a layer in several: a recompile's)
+    groups = [[route for _, route in step_scope]] if step_scope is not None else [g.routes for g in probe.graphs]
+    routes = [route for group in groups for route in group]
     reused_as: dict[str, str] = {}  # layers run in a graph compiled for another block's: that layer
     for graph in probe.graphs:
         seen |= {layer.name for layer in graph.layers}
         reused_as.update(graph.reused_as)
     on_grad = {layer.name for route in routes if route.leaf.apply_to == "grad" for layer in route.layers}
-    for route in routes:
-        for layer in route.layers:
-            action = route.leaf.on_layer(layer)
-            if action not in actions.setdefault(layer.name, []):
-                actions[layer.name].append(action)
+    for group in groups:  # every rule in order, a rule chained twice twice; a layer's first graph says it
+        done: dict[str, list[str]] = {}
+        for route in group:
+            for layer in route.layers:
+                done.setdefault(layer.name, []).append(route.leaf.on_layer(layer))
+        for name, rules in done.items():
+            actions.setdefault(name, rules)
     rows = []
     for name, info in layers.items():
         reason = skip_reason(name, info.module_type, probe.skip)
