@@ -297,7 +297,7 @@ class CoverageCheck:
         if graph.stand_ins:  # the cause of the gaps of the layers they stand in: said first, alone
             self.report(
                 STAND_INS.format(names=listed(graph.stand_ins, 20), t=self.transform),
-                fatal=any(leaf.reach == "group" for leaf in self.transform.leaves()),
+                fatal=self.transform.reduces_across_layers(),
             )
             explained = {name.rpartition(".")[0] for name in graph.stand_ins}
             gaps = [

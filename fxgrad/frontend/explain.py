@@ -267,7 +267,7 @@ def _decisions(model: nn.Module, probe: Backend, step_scope: list | None) -> lis
         seen |= {layer.name for layer in graph.layers}
         reused_as.update(graph.reused_as)
     on_grad = {layer.name for route in routes if route.leaf.apply_to == "grad" for layer in route.layers}
-    for group in groups:  # every rule in order, a rule chained twice twice; a layer's first graph says it
+    for group in groups:  # every rule in order (one chained twice, twice); a layer's first graph says it
         done: dict[str, list[str]] = {}
         for route in group:
             for layer in route.layers:

@@ -196,7 +196,8 @@ _MODULE_SLOT = re.compile(r"\._(?:modules|parameters)\['([^']+)'\]")
 def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int, Root]) -> CapturedGraph:
     """Map ``gm``'s parameter inputs to layers; new models are added to ``roots``."""
     held = any(True for _ in gm.parameters()) or any(True for _ in gm.buffers())
-    if held and _compat.may_record_grad(gm):  # not a compiled optimizer.step(), which holds its parameters
+    grad_mode = _compat.may_record_grad(gm)
+    if held and grad_mode:  # not a compiled optimizer.step(), which holds its parameters
         raise NotImplementedError(
             "fxgrad needs parameters as graph inputs; keep "
             "torch._dynamo.config.inline_inbuilt_nn_modules = True (the default)"
@@ -228,7 +229,7 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
                 stand_ins.append(_MODULE_SLOT.sub(r".\1", slot.group(0)).strip("."))
     modules = {id(root): (root, chain[0]) for _, _, chain, root in found if root is not None}
     # the modules some of whose parameters this graph may compute gradients of
-    records = _compat.may_record_grad(gm) and _compat.may_have_backward(gm)
+    records = grad_mode and _compat.may_have_backward(gm)
     trained = {id(root) for _, value, _, root in found if value.requires_grad} if records else set()
     for key, (module, source) in modules.items():
         if live_root(roots, module) is None:
@@ -269,7 +270,7 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
         trains=bool(trained),
         renamed_roots=renamed,
         root_refs=root_refs,
-        stand_ins=stand_ins if _compat.may_record_grad(gm) else [],
+        stand_ins=stand_ins if grad_mode else [],
     )
 
 
