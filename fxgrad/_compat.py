@@ -538,11 +538,16 @@ def dynamo_config() -> Any:
 
 
 def compiled_autograd_requested() -> bool:
-    """Whether a backward may run under compiled autograd: its context is active now, or
-    ``torch._dynamo.config.compiled_autograd`` asks for it in compiled functions."""
+    """Whether a backward may run under compiled autograd: it runs one now (asked from an autograd
+    hook), its context is active, or ``torch._dynamo.config.compiled_autograd`` asks for it in
+    compiled functions."""
     from torch._dynamo import compiled_autograd
 
-    return compiled_autograd.compiled_autograd_enabled or torch._dynamo.config.compiled_autograd
+    return (
+        compiled_autograd.in_compiled_autograd_region
+        or compiled_autograd.compiled_autograd_enabled
+        or torch._dynamo.config.compiled_autograd
+    )
 
 
 def compiled_autograd(compiler: Callable) -> contextlib.AbstractContextManager:

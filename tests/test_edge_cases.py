@@ -161,6 +161,26 @@ def test_compiled_autograd_is_refused_in_graph_scope():
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("policy", [fxgrad.clip_by_global_norm(1e-3), fxgrad.monitor()], ids=repr)
+def test_compiled_autograd_around_backward_alone_is_refused(compile_with, policy):
+    """Compiled autograd turned on around ``backward()`` alone, from the first step or later: the
+    forward cannot see it, so the backward refuses it (it would run the unrewritten graph)."""
+    from torch._dynamo import compiled_autograd
+
+    for plain_steps in (0, 2):
+        torch._dynamo.reset()
+        model = models.MLP()
+        backend = fxgrad.backend(policy, compiler="aot_eager")
+        compiled = compile_with(backend, model)
+        for _ in range(plain_steps):
+            models.loss_of(compiled(torch.randn(2, 16))).backward()
+        loss = models.loss_of(compiled(torch.randn(2, 16)))
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            with pytest.raises(fxgrad.CoverageError, match="compiled autograd is on"):
+                loss.backward()
+    torch._dynamo.reset()
+
+
 class CheckpointedMLP(models.MLP):
     """The MLP with its hidden layers under activation checkpointing, inside the compiled forward."""
 

@@ -412,6 +412,8 @@ class Backend:
         it), :class:`GradWrites` notes what the backward sums into ``.grad``."""
         if not first():
             return
+        if self._coverage is not None and self.current_scope() == "graph":
+            self._coverage.compiled_autograd()  # turned on around backward() alone
         if self._folds and self.current_scope() == "graph":
             self._note_pass(graph)
         self._backwards += 1

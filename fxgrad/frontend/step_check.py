@@ -15,7 +15,7 @@ graph, it reports once:
   backend at all");
 * gradients that changed since the optimizer's last step while no backward
   of a graph of the backend ran: Dynamo ran the forward eagerly (its
-  recompile limit), the original model was called instead of the
+  recompile limit, a ``set_stance``), the original model was called instead of the
   compiled one, or the model was compiled again with another backend.
 
 It warns with :class:`fxgrad.CoverageWarning`, or raises
@@ -55,8 +55,9 @@ RECOMPILED = (
     "fxgrad: the gradients of {model} changed since the optimizer's last step, but no backward "
     "of a graph compiled by this backend ran: Dynamo ran the forward eagerly (as it does once a frame was "
     "recompiled torch._dynamo.config.recompile_limit times, e.g. once per new input shape; mark "
-    "the dimension dynamic or raise the limit), the original model was called instead of the "
-    "compiled one, or the model was compiled again with another backend. The policy {transform!r} "
+    'the dimension dynamic or raise the limit; or under torch.compiler.set_stance, "force_eager" '
+    'or "eager_then_compile" say), the original model was called instead of the compiled one, or '
+    "the model was compiled again with another backend (set_stance's force_backend too). The policy {transform!r} "
     "did not run on them."
 )
 
