@@ -64,6 +64,7 @@ __all__ = [
     "data_parallel_world_size",
     "all_reduce",
     "compiled_autograd_requested",
+    "compiled_autograd_running",
     "compiled_autograd",
     "aot_eager_compile",
     "autograd_cache_bypassed",
@@ -538,16 +539,19 @@ def dynamo_config() -> Any:
 
 
 def compiled_autograd_requested() -> bool:
-    """Whether a backward may run under compiled autograd: it runs one now (asked from an autograd
-    hook), its context is active, or ``torch._dynamo.config.compiled_autograd`` asks for it in
-    compiled functions."""
+    """Whether a backward may run under compiled autograd: its context is active now, or
+    ``torch._dynamo.config.compiled_autograd`` asks for it in compiled functions."""
     from torch._dynamo import compiled_autograd
 
-    return (
-        compiled_autograd.in_compiled_autograd_region
-        or compiled_autograd.compiled_autograd_enabled
-        or torch._dynamo.config.compiled_autograd
-    )
+    return compiled_autograd.compiled_autograd_enabled or torch._dynamo.config.compiled_autograd
+
+
+def compiled_autograd_running() -> bool:
+    """Whether compiled autograd runs the backward now (asked from an autograd hook, which its
+    graph calls): the config alone does not make an eager ``backward()`` run under it."""
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd.in_compiled_autograd_region
 
 
 def compiled_autograd(compiler: Callable) -> contextlib.AbstractContextManager:

@@ -181,6 +181,22 @@ def test_compiled_autograd_around_backward_alone_is_refused(compile_with, policy
     torch._dynamo.reset()
 
 
+def test_compiled_autograd_config_around_an_eager_backward_is_fine():
+    """The config asks for compiled autograd in compiled functions only: an eager ``backward()``
+    under it runs fxgrad's backward, and is not refused."""
+    model = models.MLP()
+    expected, x = copy.deepcopy(model), torch.randn(2, 16)
+    compiled = torch.compile(model, backend=fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager"))
+    loss = models.loss_of(compiled(x))
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        loss.backward()
+    models.loss_of(expected(x)).backward()
+    untouched = grads_of(expected)
+    ref.clip_per_layer(expected, 1e-3)
+    assert_grads_close(model, expected, untouched=untouched)
+    torch._dynamo.reset()
+
+
 class CheckpointedMLP(models.MLP):
     """The MLP with its hidden layers under activation checkpointing, inside the compiled forward."""
 

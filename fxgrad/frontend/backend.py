@@ -413,7 +413,7 @@ class Backend:
         if not first():
             return
         if self._coverage is not None and self.current_scope() == "graph":
-            self._coverage.compiled_autograd()  # turned on around backward() alone
+            self._coverage.compiled_autograd(in_backward=True)
         if self._folds and self.current_scope() == "graph":
             self._note_pass(graph)
         self._backwards += 1

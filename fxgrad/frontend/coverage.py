@@ -441,9 +441,11 @@ class CoverageCheck:
             fatal=True,
         )
 
-    def compiled_autograd(self) -> None:
-        """Refuse to rewrite backward graphs that compiled autograd would bypass."""
-        if _compat.compiled_autograd_requested():
+    def compiled_autograd(self, in_backward: bool = False) -> None:
+        """Refuse to rewrite backward graphs that compiled autograd would bypass: at a forward, when
+        it may run the backward; in one (``in_backward``: turned on around ``backward()`` alone), when
+        it runs it."""
+        if _compat.compiled_autograd_running() if in_backward else _compat.compiled_autograd_requested():
             raise CoverageError(COMPILED_AUTOGRAD.format(transform=self.transform))
 
     def warn(self, message: str) -> None:

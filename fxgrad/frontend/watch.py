@@ -369,7 +369,7 @@ class ForwardWatch:
         _REACHED.add(_compat.backward_pass_id())
         if not first():
             return
-        self.coverage.compiled_autograd()  # turned on around backward() alone
+        self.coverage.compiled_autograd(in_backward=True)
         if ran_eagerly:
             self.coverage.ran_eagerly(self.model, False, stance=stance)
         if self._probes:
