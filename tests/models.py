@@ -99,6 +99,26 @@ def cnn():
     return CNN(), (torch.randn(4, 3, 8, 8),)
 
 
+def parametrized():
+    """The MLP with parametrized weights: ``weight_norm`` on the first Linear, a custom
+    parametrization (a fixed diagonal scale, with its own trainable parameter) on the last."""
+    model = MLP()
+    nn.utils.parametrizations.weight_norm(model.net[0])
+    nn.utils.parametrize.register_parametrization(model.net[-1], "weight", _Scaled(model.net[-1].out_features))
+    return model, (torch.randn(8, 16),)
+
+
+class _Scaled(nn.Module):
+    """``W -> diag(s) W``, with ``s`` a trainable parameter of the parametrization itself."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, rows).unsqueeze(1))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return self.s * weight
+
+
 def transformer():
     return Transformer(), (torch.randint(0, 50, (2, 12)),)
 
@@ -186,6 +206,7 @@ def t5():
 BUILDERS = {
     "mlp": mlp,
     "cnn": cnn,
+    "parametrized": parametrized,
     "transformer": transformer,
     "lstm": lstm,
     "gpt2": gpt2,

@@ -22,6 +22,8 @@ def compiled_grads(model, args, kwargs, transform, compiler, **backend_kwargs):
     backend = fxgrad.backend(transform, compiler=compiler, **backend_kwargs)
     compiled = backend.compile(model)
     models.loss_of(compiled(*args, **kwargs)).backward()
+    if backend.current_scope() == "step":
+        backend.step(model)  # what optimizer.step() runs first
     return backend
 
 
@@ -75,7 +77,7 @@ def assert_grads_close(actual_model, expected_model, rtol=1e-5, untouched=None):
         torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=rtol * scale.item(), msg=name)
 
 
-def check_parity(model_name, transform, reference, compiler="aot_eager", rtol=1e-5):
+def check_parity(model_name, transform, reference, compiler="aot_eager", rtol=1e-5, scope="graph"):
     """Compile ``model_name`` with ``transform``; ``reference(model)`` edits the baseline grads.
 
     Under ``aot_eager`` the baseline is eager PyTorch. Inductor's own backward
@@ -89,7 +91,7 @@ def check_parity(model_name, transform, reference, compiler="aot_eager", rtol=1e
     model, args, kwargs = models.build(model_name)
     expected = copy.deepcopy(model)
     eager = copy.deepcopy(model)
-    backend = compiled_grads(model, args, kwargs, transform, compiler)
+    backend = compiled_grads(model, args, kwargs, transform, compiler, scope=scope)
     if compiler == "inductor":
         compiled_grads(expected, args, kwargs, None, compiler)
         eager_grads(eager, args, kwargs)

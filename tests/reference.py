@@ -11,6 +11,7 @@ import fnmatch
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -21,18 +22,21 @@ def is_norm_layer(module: nn.Module) -> bool:
 
 
 def layers(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
-    """Modules that own parameters directly; a shared parameter goes to its first owner."""
+    """Modules that own parameters directly; a shared parameter goes to its first owner, and the
+    originals of a parametrized tensor (``<name>.parametrizations.weight.original``) to the
+    module they parametrize (docs/transforms.md, "Layers")."""
     seen: set[int] = set()
-    out = []
-    for name, module in model.named_modules():
-        own = []
-        for p in module.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                own.append(p)
+    modules = dict(model.named_modules())
+    out: dict[str, tuple[nn.Module, list[nn.Parameter]]] = {}
+    for name, module in modules.items():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(map(id, own))
+        if isinstance(module, ParametrizationList):
+            name = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+            module = modules[name]
         if own:
-            out.append((name, module, own))
-    return out
+            out.setdefault(name, (module, []))[1].extend(own)
+    return [(name, module, params) for name, (module, params) in out.items()]
 
 
 def wide(x):

@@ -13,7 +13,7 @@ from parity import check_parity
 
 import fxgrad
 
-MODELS = ["mlp", "cnn", "transformer", "lstm", "gpt2", "bert", "llama", "t5"]
+MODELS = ["mlp", "cnn", "parametrized", "transformer", "lstm", "gpt2", "bert", "llama", "t5"]
 
 
 def depth_target(depth, layer):
@@ -47,6 +47,13 @@ POLICIES = {
 def test_parity_aot_eager(model_name, policy):
     transform, reference = POLICIES[policy]
     check_parity(model_name, transform, reference)
+
+
+@pytest.mark.parametrize("policy", ["per_layer", "rescale_then_global"])
+def test_parametrized_layers_in_step_scope(policy):
+    """Step scope, too, puts a parametrized weight's originals in the module it parametrizes."""
+    transform, reference = POLICIES[policy]
+    check_parity("parametrized", transform, reference, scope="step")
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "cnn"])

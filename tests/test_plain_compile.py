@@ -299,11 +299,13 @@ def test_a_frozen_base_with_trainable_adapters_is_clipped_without_a_warning():
     ],
     ids=["by_name", "rescale_multiplier"],
 )
-def test_a_frozen_layer_the_policy_names_is_reported(policy):
-    """A key that names a frozen layer does nothing there: that is said."""
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_frozen_layer_the_policy_names_is_reported(policy, scope):
+    """A key that names a frozen layer does nothing there: that is said, in both scopes (graph
+    scope when it compiles a graph, step scope when it meets the model)."""
     model = Adapted()
-    compiled = torch.compile(model, backend=fxgrad.backend(policy, compiler="aot_eager"))
     with pytest.warns(fxgrad.CoverageWarning, match="1 layer the policy names is frozen .* no gradient: base$"):
+        compiled = torch.compile(model, backend=fxgrad.backend(policy, scope=scope, compiler="aot_eager"))
         train(model, compiled, steps=1, x=torch.randn(4, 8))
 
 

@@ -4,10 +4,11 @@ A *layer* is a module that directly owns parameters
 (``module.parameters(recurse=False)``). A parameter belongs to the **first**
 module that owns it in ``model.named_modules()`` order, so tied weights (GPT-2's
 ``wte``/``lm_head``) belong to exactly one layer. The originals of a parametrized
-tensor (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``, LoRA
-written as a parametrization) belong to the module they parametrize, not to the
-``parametrizations.<name>`` list that holds them: ``lin.parametrizations.weight.original0``
-is in layer ``lin``, with ``lin.bias``.
+tensor (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``) belong to
+the module they parametrize, not to the ``parametrizations.<name>`` list that holds them:
+``lin.parametrizations.weight.original0`` is in layer ``lin``, with ``lin.bias``. A
+parametrization's own parameters (LoRA's ``A`` and ``B`` written as one) are a layer of
+their own, ``lin.parametrizations.weight.0``.
 
     >>> import torch.nn as nn
     >>> owners = parameter_owners(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))

@@ -191,6 +191,29 @@ def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model:
     return [f"fxgrad: in {type(model).__name__}, {miss}. It does nothing." for miss in misses]
 
 
+def frozen_named(transform: Transform, frozen: Sequence[Layer]) -> str | None:
+    """The warning for the ``frozen`` layers a key of ``transform`` names (they get no gradient,
+    so the key does nothing there), or ``None``. Not those a rule over every layer reaches: a
+    LoRA model's frozen base trains silently, as under ``clip_grad_norm_``."""
+    named = transform.named(frozen)
+    targeted = [layer.name for layer in frozen if layer.name in named]
+    if not targeted:
+        return None
+    count = (
+        "1 layer the policy names is frozen (requires_grad=False) and gets"
+        if len(targeted) == 1
+        else f"{len(targeted)} layers the policy names are frozen (requires_grad=False) and get"
+    )
+    return f"fxgrad: {count} no gradient: {listed(targeted, 20)}"
+
+
+def frozen_layers(model: nn.Module, skip: Sequence[SkipEntry]) -> list[Layer]:
+    """The layers of ``model`` with no trainable parameter."""
+    trainable, frozen = model_rows(model, "")
+    held = {row.layer for row in trainable}
+    return build_layers([row for row in frozen if row.layer not in held], (), skip)
+
+
 def _unique(rows: list[tuple[Layer, str]]) -> tuple[tuple[Layer, str], ...]:
     """One row per layer, the first reason kept."""
     return tuple({layer: (layer, why) for layer, why in reversed(rows)}.values())[::-1]
@@ -314,16 +337,9 @@ class CoverageCheck:
             if not gap.fatal:
                 self.warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
         self._hooked(graph, plan)
-        named = self.transform.named(frozen)  # not those a rule over every layer reaches (a LoRA base)
-        frozen_targeted = [layer for layer in frozen if layer.name in named]
-        if frozen_targeted:
-            names = listed([layer.name for layer in frozen_targeted], 20)
-            count = (
-                "1 layer the policy names is frozen (requires_grad=False) and gets"
-                if len(frozen_targeted) == 1
-                else f"{len(frozen_targeted)} layers the policy names are frozen (requires_grad=False) and get"
-            )
-            self.warn(f"fxgrad: {count} no gradient: {names}")
+        message = frozen_named(self.transform, frozen)
+        if message is not None:
+            self.warn(message)
 
     def stepped_together(self, registry: GraphRegistry, stepped: set[int], optimizer: str) -> None:
         """At an optimizer's first step: a rule that reduces across layers meets each model's
