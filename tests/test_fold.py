@@ -760,11 +760,43 @@ def test_a_fixed_multiplier_under_adam_is_reported_as_cancelled(scope):
         (fxgrad.rescale(alpha=0.5), lambda p: torch.optim.AdamW(p, lr=1e-2)),  # varies per step: acts
         (stem, lambda p: torch.optim.RAdam(p, lr=1e-2)),  # its first steps are momentum SGD's: acts there
         (stem, lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.5)),  # L2 joins the gradient: acts
+        (stem, lambda p: torch.optim.Adam(decay_on(p, "0"), lr=1e-2)),  # ... on the multiplied layer
     ):
         model = mlp()
         with warnings.catch_warnings():
             warnings.simplefilter("error", fxgrad.CoverageWarning)
             train(model, make(model.parameters()), 2, backend=fxgrad.backend(policy, compiler="aot_eager", scope=scope))
+
+
+def decay_on(params, layer):
+    """Adam's parameter groups: L2 weight decay on ``layer`` of :func:`mlp`, none elsewhere."""
+    params = list(params)
+    held = {id(p) for p in mlp_layer(params, layer)}
+    return [
+        {"params": [p for p in params if id(p) in held], "weight_decay": 0.5},
+        {"params": [p for p in params if id(p) not in held], "weight_decay": 0.0},
+    ]
+
+
+def mlp_layer(params, layer):
+    """The weight and bias of Linear ``layer`` ("0", "2", "4") among :func:`mlp`'s ``params``."""
+    index = {"0": 0, "2": 2, "4": 6}[layer]  # LayerNorm "3" holds parameters 4 and 5
+    return params[index : index + 2]
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_multiplier_under_adam_is_reported_when_decay_is_on_other_layers_alone(scope):
+    """The usual "no decay on some parameters" groups: L2 decay on the head alone, where the
+    multiplier on the stem is not: the stem's factor cancels, and is reported (the check asked
+    whether any group decays, until a sweep found it)."""
+    torch.manual_seed(0)
+    model = mlp()
+    plain = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.rescale(alpha=0, multipliers={"0": 3.0}), compiler="aot_eager", scope=scope)
+    with pytest.warns(fxgrad.CoverageWarning, match=r"Adam's update divides the gradient by its running RMS"):
+        train(model, torch.optim.Adam(decay_on(model.parameters(), "4"), lr=1e-2), 10, backend=backend)
+    train(plain, torch.optim.Adam(decay_on(plain.parameters(), "4"), lr=1e-2), 10)
+    assert_same_weights(model, plain, rtol=1e-4)
 
 
 @pytest.mark.parametrize("scope", ["graph", "step"])

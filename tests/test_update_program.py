@@ -151,28 +151,36 @@ def test_explain_says_the_step_program_runs_the_update():
 
 @pytest.mark.parametrize(
     "how, folds",
-    [("two optimizers", False), ("backend.step()", False), ("closure", True), ("compiled step", True)],
+    [
+        ("two optimizers", False),
+        ("unfolded first", False),
+        ("backend.step()", False),
+        ("closure", True),
+        ("compiled step", True),
+    ],
 )
 def test_other_ways_to_step_equal_the_unfolded_path(how, folds):
     """A closure (Lightning) and a step compiled by the user fold. Weights and biases under two
-    folded optimizers (neither steps all the gradients) and ``backend.step()`` before the step
-    (the policy ran already, with no optimizer to update) run the policy, then torch's step."""
+    folded optimizers (neither steps all the gradients), or under an unfolded optimizer that
+    steps first (Muon's place), and ``backend.step()`` before the step (the policy ran already,
+    with no optimizer to update) run the policy, then torch's step: said once, but for
+    ``backend.step()``."""
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
     backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
 
     def split(m):
-        if how != "two optimizers":
+        if how not in ("two optimizers", "unfolded first"):
             return [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)]
         named = list(m.named_parameters())
-        return [
-            torch.optim.AdamW([p for n, p in named if n.endswith(end)], lr=1e-2, fused=True)
-            for end in ("weight", "bias")
-        ]
+        weights, biases = ([p for n, p in named if n.endswith(end)] for end in ("weight", "bias"))
+        if how == "unfolded first":
+            return [torch.optim.SGD(weights, lr=0.1, momentum=0.9), torch.optim.AdamW(biases, lr=1e-2, fused=True)]
+        return [torch.optim.AdamW(params, lr=1e-2, fused=True) for params in (weights, biases)]
 
     optimizers, expected_optimizers = split(model), split(expected)
-    for optimizer in optimizers:
+    for optimizer in optimizers[how == "unfolded first" :]:
         backend.fold(optimizer)
     compiled = torch.compile(model, backend=backend)
     step_fn = torch.compile(lambda: optimizers[0].step(), backend="aot_eager") if how == "compiled step" else None
@@ -204,8 +212,10 @@ def test_other_ways_to_step_equal_the_unfolded_path(how, folds):
             optimizer.zero_grad()
     assert_same_weights(model, expected)
     assert bool(calls) != folds
-    told = [w for w in caught if "cannot run its update: another optimizer steps" in str(w.message)]
-    assert len(told) == (how == "two optimizers")  # once, at the first step (the policy ran for both)
+    told = [w for w in caught if "cannot run its update" in str(w.message)]
+    assert len(told) == (how in ("two optimizers", "unfolded first"))  # once, at the first step
+    if how == "unfolded first":
+        assert "SGD steps some of the models' parameters, and stepped first" in str(told[0].message)
 
 
 @pytest.mark.inductor

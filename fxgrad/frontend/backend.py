@@ -762,7 +762,8 @@ class Backend:
         self._check_scaler_given(optimizer, first_step=optimizer not in self._first_step_seen)
         if optimizer not in self._first_step_seen:  # checks of the optimizer and the policy, once
             self._first_step_seen.add(optimizer)
-            why = folding.cancelled(optimizer, self.transform, self._layers_stepped_by(optimizer))
+            decayed = {layer.name for layer in self._layers_stepped_by(optimizer, folding.coupled_decay(optimizer))}
+            why = folding.cancelled(optimizer, self.transform, self._layers_stepped_by(optimizer), decayed)
             if why is not None:
                 warn(why, CoverageWarning)
             max_norm = trainer_clip() if self.transform.changes_gradients() else None
@@ -930,9 +931,10 @@ class Backend:
             if self._update_factors is not None:
                 self._update_factors.forget()
 
-    def _layers_stepped_by(self, optimizer: torch.optim.Optimizer) -> list[Layer]:
-        """The layers of this backend's models with parameters ``optimizer`` steps."""
-        stepped = stepped_ids(optimizer)
+    def _layers_stepped_by(self, optimizer: torch.optim.Optimizer, among: set[int] | None = None) -> list[Layer]:
+        """The layers of this backend's models with parameters ``optimizer`` steps (``among``:
+        with one of these parameters)."""
+        stepped = stepped_ids(optimizer) if among is None else among
         owners = [owner for key, owner in models_owners(self._step_models()).items() if key in stepped]
         return owners_layers(owners, self.skip)
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -152,10 +152,26 @@ def _own_factors(transform: Transform | None) -> tuple[list[Transform], list[Tra
     return routed, [leaf for leaf in leaves if leaf.folds is None and leaf.apply_to == "grad"]
 
 
-def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None, layers: Sequence[Layer]) -> str | None:
+def coupled_decay(optimizer: torch.optim.Optimizer) -> set[int]:
+    """The ids of the parameters whose update adds ``weight_decay * w`` to the gradient before
+    it normalizes it (:data:`COUPLED_DECAY`): a gradient factor changes the decay's share there."""
+    if not isinstance(optimizer, COUPLED_DECAY):
+        return set()
+    return {
+        id(p)
+        for group in optimizer.param_groups
+        if group.get("weight_decay") and not group.get("decoupled_weight_decay")
+        for p in group["params"]
+    }
+
+
+def cancelled(
+    optimizer: torch.optim.Optimizer, transform: Transform | None, layers: Sequence[Layer], decayed: Collection[str]
+) -> str | None:
     """A warning when ``optimizer``'s update divides out everything ``transform`` does to
-    ``layers`` (those it steps), or, for a sign-only update (``Rprop``), what any of its
-    gradient-scaling leaves does to them.
+    ``layers`` (those it steps; ``decayed``: the names of those with a parameter in
+    :func:`coupled_decay`, where a factor acts), or, for a sign-only update (``Rprop``), what
+    any of its gradient-scaling leaves does to them.
 
     A per-layer factor that holds across steps scales a layer's ``m`` and
     ``sqrt(v)`` alike, so Adam's ``m / sqrt(v)`` is unchanged: ``rescale(alpha=0,
@@ -181,13 +197,11 @@ def cancelled(optimizer: torch.optim.Optimizer, transform: Transform | None, lay
         )
     if not isinstance(optimizer, NORMALIZING) and match.key_repr(type(optimizer)) not in NORMALIZING_ELSEWHERE:
         return None
-    if isinstance(optimizer, COUPLED_DECAY) and any(
-        group.get("weight_decay") and not group.get("decoupled_weight_decay") for group in optimizer.param_groups
-    ):
-        return None
     on_grads = [route for route in acting if route.leaf.apply_to == "grad"]  # not those scaling the update
-    factors = [route.leaf.fixed_factor(layer) for route in on_grads for layer in route.layers]
-    if None in factors or all(factor == 1 for factor in factors):  # one acts, or none on these layers
+    factors = [(route.leaf.fixed_factor(layer), layer.name) for route in on_grads for layer in route.layers]
+    if any(factor is None or (factor != 1 and name in decayed) for factor, name in factors):  # one acts
+        return None
+    if all(factor == 1 for factor, _ in factors):  # none on these layers
         return None
     leaves = list(dict.fromkeys(repr(route.leaf) for route in on_grads))
     one = len(leaves) == 1

@@ -125,7 +125,10 @@ class UpdateFolds:
     def update(self, optimizer: torch.optim.Optimizer | None, owners: Sequence[Owner]) -> Update | None:
         """The update of ``optimizer`` over ``owners``' parameters, if it steps exactly those
         with a gradient and can run in the program now; else ``None``."""
-        if optimizer is None or optimizer not in self._folded:
+        if optimizer is None:  # backend.step(): the optimizers' own steps follow
+            return None
+        if optimizer not in self._folded:
+            self._ran_first(optimizer, owners)
             return None
         self._put_back(optimizer)  # a pre-hook after the set-aside raised, last step
         why = why_not(optimizer)  # fold() checked it; add_param_group or load_state_dict can change it
@@ -190,6 +193,17 @@ class UpdateFolds:
         outside = [p for group in param_groups for p in group["params"] if id(p) not in ours]
         layout = self._layouts[optimizer] = _Layout(owners, stepped, params, groups, outside)
         return layout
+
+    def _ran_first(self, other: torch.optim.Optimizer, owners: Sequence[Owner]) -> None:
+        """``other``, not folded, stepped first and ran the policy over ``owners``: tell each folded
+        optimizer that steps some of their parameters that its own step runs its update."""
+        untold = [optimizer for optimizer in self._folded if optimizer not in self._told]
+        if not untold:
+            return
+        ids = set(map(id, map(_TENSOR, owners)))
+        for optimizer in untold:
+            if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
+                self._tell(optimizer, f"{type(other).__name__} steps some of the models' parameters, and stepped first")
 
     def _tell(self, optimizer: torch.optim.Optimizer, why: str) -> None:
         """Say once per optimizer why its update runs in its own step, after the policy."""
