@@ -213,8 +213,8 @@ def cancelled(
     return (
         f"fxgrad: {', '.join(leaves)} only multipl{'ies' if one else 'y'} each layer's gradient by a factor that is "
         f"the same on every step, and {type(optimizer).__name__}'s update {how}, so the factor cancels: the "
-        f"weights move as without {'it' if one else 'them'} (up to float rounding). Put the factor on the update "
-        "instead (apply_to='update': a per-layer learning-rate scale), or use SGD, where it acts."
+        f"weights move as without {'it' if one else 'them'} (up to its eps and float rounding). Put the factor on "
+        "the update instead (apply_to='update': a per-layer learning-rate scale), or use SGD, where it acts."
     )
 
 
