@@ -492,6 +492,33 @@ def test_a_checkpoint_of_another_policy_is_refused():
         models.loss_of(shorter.compile(models.MLP())(torch.randn(4, 16))).backward()
 
 
+def test_a_checkpoint_of_another_length_in_step_scope_is_raised_and_leaves_the_program():
+    """Step scope places the entries when it builds its program: the mismatch is the user's,
+    raised at the step as is. It was taken for a failed build (a RuntimeWarning, then the same
+    error) and left the policy eager for the backend's life, found by a sweep."""
+
+    def state(history):
+        backend = fxgrad.backend(fxgrad.autoclip(history=history), compiler="aot_eager", scope="step")
+        model = models.MLP()
+        models.loss_of(backend.compile(model)(torch.randn(4, 16))).backward()
+        backend.step(model)
+        return backend.state_dict()
+
+    model = models.MLP()
+    shorter = fxgrad.backend(fxgrad.autoclip(history=3), compiler="aot_eager", scope="step", keep_code=True)
+    shorter.load_state_dict(state(6))
+    compiled = shorter.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    models.loss_of(compiled(torch.randn(4, 16))).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(ValueError, match=r"has shape \(6,\) in the checkpoint but \(3,\)"):
+            optimizer.step()
+        shorter.load_state_dict(state(3))
+        optimizer.step()
+    assert shorter.step_program_code() is not None  # compiled, not eager
+
+
 @pytest.mark.parametrize("scope", ["graph", "step"])
 def test_a_checkpoint_of_renamed_layers_is_reported_and_a_failed_load_changes_nothing(scope):
     def trained():

@@ -54,7 +54,7 @@ from fxgrad.frontend.update_program import Update
 from fxgrad.passes.graphtext import render_inserted
 from fxgrad.passes.record import GraphRecorder, gc_paused
 from fxgrad.runtime import norm_math
-from fxgrad.runtime.state import Group, StateStore, group_label, viewed_group
+from fxgrad.runtime.state import CheckpointMismatch, Group, StateStore, group_label, viewed_group
 
 OWNER_GRAD = operator.attrgetter("tensor.grad")  # a C getter, see fxgrad.core.layers.GRAD
 
@@ -145,6 +145,8 @@ class StepPrograms:
                 return None
             try:
                 return self._build(routes, owners, grads, group, store, scaler, fold, update)
+            except CheckpointMismatch:  # the eager path would raise it too
+                raise
             except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
                 self._broken = f"{type(error).__name__}: {error}"
                 warn(

@@ -405,6 +405,12 @@ class StateStore:
         return [key for slots in self._state.values() for key in slots.layout if key not in self._loaded_keys]
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint's entry has another shape than this policy's (found where the entry is
+    placed, at the first step that uses it): the user's to fix, never a reason to leave a
+    compiled path."""
+
+
 def _loaded(key: str, value: Any, shape: tuple[int, ...] | None) -> torch.Tensor:
     """A checkpoint's ``value`` for entry ``key``, which has ``shape`` in this policy (``None``:
     not placed yet), checked: state is real floating point, with data."""
@@ -415,7 +421,7 @@ def _loaded(key: str, value: Any, shape: tuple[int, ...] | None) -> torch.Tensor
     if value.is_meta:
         raise ValueError(f"state {key!r} is a meta tensor, which holds no values")
     if shape is not None and tuple(value.shape) != tuple(shape):
-        raise ValueError(
+        raise CheckpointMismatch(
             f"state {key!r} has shape {tuple(value.shape)} in the checkpoint but {tuple(shape)} in "
             "this policy (a history or warm-up of another length?)"
         )
