@@ -483,6 +483,41 @@ def test_blocks_compiled_one_by_one_are_reported_for_a_global_policy(scope):
         optimizer.step()
 
 
+def test_parts_named_alike_compiled_one_by_one_follow_the_refusals_advice():
+    """An encoder and a head, two nn.Sequential compiled by one backend, one optimizer: step
+    scope refuses to merge their layers, and its advice, one module that holds both told to the
+    backend once, gives clip_grad_norm_ over both (a sweep followed graph scope's advice, step
+    scope, into this refusal, which did not say it)."""
+    torch.manual_seed(0)
+    encoder, head = nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 4))
+    expected = [copy.deepcopy(encoder), copy.deepcopy(head)]
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager", scope="step")
+    compiled = backend.compile(encoder), backend.compile(head)
+    run = lambda x: compiled[1](compiled[0](x))  # noqa: E731
+    optimizer = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.5)
+    x = torch.randn(4, 8)
+    run(x).pow(2).mean().backward()
+    with pytest.raises(fxgrad.CoverageError, match=r"both named '0'.*whole = nn\.ModuleDict\(\{'encoder': encoder"):
+        optimizer.step()
+    whole = nn.ModuleDict({"encoder": encoder, "head": head})
+    backend.step(whole)
+    for p in whole.parameters():  # the refused step's gradients: start over
+        p.grad = None
+    for _ in range(3):
+        run(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    params = [p for m in expected for p in m.parameters()]
+    eager_optimizer = torch.optim.SGD(params, lr=0.5)
+    for _ in range(3):
+        expected[1](expected[0](x)).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(params, 1e-2)
+        eager_optimizer.step()
+        eager_optimizer.zero_grad()
+    for p, e in zip(whole.parameters(), params):
+        torch.testing.assert_close(p, e, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("scope", ["step", "auto"])
 def test_blocks_compiled_one_by_one_are_exact_once_step_scope_knows_the_model(scope, monkeypatch):
     """``backend.step(model)`` once: the policy covers the whole model, every layer named as in the

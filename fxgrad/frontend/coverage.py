@@ -275,9 +275,11 @@ SPLIT_MODELS = (
     "fxgrad: {optimizer} steps the parameters of {count} models this backend compiled one by one ({models}), "
     "and in scope='graph' each one's backward applies {t!r} to its own gradients: its cross-layer norms are "
     "each model's, not those of every parameter the optimizer steps (which clip_grad_norm_ over them would "
-    "take). Use fxgrad.backend(..., scope='step'), which runs the policy once over every gradient; or compile "
-    "one module that holds them all (torchtitan compiles each block alone: see docs/distributed.md); or, if "
-    "each model's own norm is what you mean, give each model a backend of its own"
+    "take). Use fxgrad.backend(..., scope='step'), which runs the policy once over every gradient (if the "
+    "models name their layers alike, two nn.Sequential, tell it one module that holds them all once, "
+    "backend.step(whole) after the first backward); or compile one module that holds them all (torchtitan "
+    "compiles each block alone: see docs/distributed.md); or, if each model's own norm is what you mean, give "
+    "each model a backend of its own"
 )
 
 

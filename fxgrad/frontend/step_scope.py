@@ -173,9 +173,10 @@ SAME_NAMES = (
     "fxgrad: step scope met two modules both named {layer!r} ({kind}), each in a model of its own that "
     "the backend compiled: their layers would merge into one. Separate models (a GAN's generator and "
     "discriminator): apply the policy to each on its own, backend.step(model), or let each one's optimizer "
-    "step run it. Submodules compiled one by one (torchtitan compiles each block alone): tell the backend "
-    "the whole model once, backend.step(model) after the first backward, and it names every layer from "
-    "there; or compile the whole model"
+    "step run it. Parts of one model compiled one by one (torchtitan compiles each block alone; an encoder "
+    "and a head one optimizer steps): tell the backend the whole model once, backend.step(model) after the "
+    "first backward, and it names every layer from there (parts no module holds: keep one that does alive, "
+    "whole = nn.ModuleDict({{'encoder': encoder, 'head': head}}), and pass it); or compile the whole model"
 )
 
 Models = Callable[[], list[tuple[nn.Module, str]]]
