@@ -140,6 +140,24 @@ def test_loss_is_sum_of_floating_outputs_without_loss_attribute():
     assert [row.action for row in report.layers] == ["untouched", "untouched"]
 
 
+def test_a_dicts_loss_entry_gives_the_loss():
+    """A model that returns ``{"loss": ..., "logits": ...}`` (the sum of both was taken, found by a sweep)."""
+
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            logits = self.fc(x)
+            return {"logits": logits, "loss": logits.pow(2).mean()}
+
+    torch.manual_seed(0)
+    model, x = WithLoss(), torch.randn(2, 3)
+    report = fxgrad.explain(model, x, backend=aot(None))
+    torch.testing.assert_close(report.loss, model(x)["loss"])
+
+
 def test_a_tuple_whose_first_element_is_a_scalar_gives_the_loss():
     """A Hugging Face model with return_dict=False returns (loss, logits)."""
     model, args, kwargs = models.bert()

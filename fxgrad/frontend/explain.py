@@ -150,8 +150,8 @@ class Report:
 def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = False, **kwargs: Any) -> Report:
     """Run one forward and backward of ``model`` with ``backend`` and report.
 
-    The loss is ``output.loss`` when the output has one (Hugging Face models), a
-    tuple's first element when it is a scalar with a gradient (``(loss, logits)``,
+    The loss is ``output.loss`` when the output has one (Hugging Face models), or
+    ``output["loss"]`` of a dict, a tuple's first element when it is a scalar with a gradient (``(loss, logits)``,
     as with ``return_dict=False``), otherwise the sum of the floating-point
     outputs. ``model`` is left as it was: its gradients, buffers (BatchNorm
     statistics), the gradients of inputs that require grad and the RNG state are
@@ -307,10 +307,10 @@ def _where(probe: Backend, layer: str) -> str:
 
 
 def _loss_of(output: Any) -> torch.Tensor:
-    """``output.loss``; else a tuple's first element when it is a scalar with a gradient (a
-    Hugging Face model's ``(loss, logits, ...)`` with ``return_dict=False``); else the sum of
-    the floating-point outputs."""
-    loss = getattr(output, "loss", None)
+    """``output.loss`` (a mapping's ``output["loss"]``); else a tuple's first element when it is a
+    scalar with a gradient (a Hugging Face model's ``(loss, logits, ...)`` with
+    ``return_dict=False``); else the sum of the floating-point outputs."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(
