@@ -218,6 +218,37 @@ def test_other_ways_to_step_equal_the_unfolded_path(how, folds):
         assert "SGD steps some of the models' parameters, and stepped first" in str(told[0].message)
 
 
+def test_a_folded_optimizer_that_takes_over_from_an_unfolded_one_folds_silently():
+    """An unfolded SGD's warm-up steps, then the folded fused AdamW's alone (a linear probe, then
+    fine-tuning): the program runs AdamW's update from its first step, and nothing is said (the
+    first version of the "stepped first" warning said it at SGD's first step, found by a sweep)."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    compiled = torch.compile(model, backend=backend)
+    warm, adamw = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW(model.parameters(), fused=True)
+    backend.fold(adamw)
+    expected_warm = torch.optim.SGD(expected.parameters(), lr=0.1)
+    expected_adamw = torch.optim.AdamW(expected.parameters(), fused=True)
+    inputs = torch.randn(5, 16, 8, generator=torch.Generator().manual_seed(3))
+    with fused_calls() as calls, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for i, x in enumerate(inputs):
+            optimizer = warm if i < 2 else adamw
+            (compiled(x).pow(2).mean() * 30).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for i, x in enumerate(inputs):
+        optimizer = expected_warm if i < 2 else expected_adamw
+        (expected(x).pow(2).mean() * 30).backward()
+        ref.clip_per_layer(expected, 0.02)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_same_weights(model, expected)
+    assert not calls  # torch's fused kernel never ran: the program updated
+
+
 @pytest.mark.inductor
 def test_the_folded_update_compiled_by_inductor_equals_the_unfolded_step():
     """Under Inductor, against the same policy then torch's fused step (AGC reads the weights the

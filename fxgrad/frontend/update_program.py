@@ -105,6 +105,7 @@ class UpdateFolds:
         self._values: dict[tuple, float | None] = {}  # ... the number each holds (None: a tensor's)
         self._layouts: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Layout] = weakref.WeakKeyDictionary()
         self._told: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # see _tell (quiet: added)
+        self._preceded: tuple[str, set[int]] | None = None  # see _ran_first
 
     def __contains__(self, optimizer: torch.optim.Optimizer) -> bool:
         return optimizer in self._folded
@@ -130,6 +131,7 @@ class UpdateFolds:
         if optimizer not in self._folded:
             self._ran_first(optimizer, owners)
             return None
+        self._preceded = None
         self._put_back(optimizer)  # a pre-hook after the set-aside raised, last step
         why = why_not(optimizer)  # fold() checked it; add_param_group or load_state_dict can change it
         if why is not None:
@@ -195,15 +197,12 @@ class UpdateFolds:
         return layout
 
     def _ran_first(self, other: torch.optim.Optimizer, owners: Sequence[Owner]) -> None:
-        """``other``, not folded, stepped first and ran the policy over ``owners``: tell each folded
-        optimizer that steps some of their parameters that its own step runs its update."""
-        untold = [optimizer for optimizer in self._folded if optimizer not in self._told]
-        if not untold:
-            return
-        ids = set(map(id, map(_TENSOR, owners)))
-        for optimizer in untold:
-            if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
-                self._tell(optimizer, f"{type(other).__name__} steps some of the models' parameters, and stepped first")
+        """``other``, not folded, ran the policy over ``owners`` at its step: a folded optimizer
+        that steps some of their parameters before the policy runs again runs its own update
+        (said by :meth:`_set_aside`; not before: the folded one may step in a later phase alone,
+        a linear probe's optimizer before the fine-tuning's)."""
+        if any(optimizer not in self._told for optimizer in self._folded):
+            self._preceded = type(other).__name__, set(map(id, map(_TENSOR, owners)))
 
     def _tell(self, optimizer: torch.optim.Optimizer, why: str) -> None:
         """Say once per optimizer why its update runs in its own step, after the policy."""
@@ -237,11 +236,17 @@ class UpdateFolds:
         return kept
 
     def _set_aside(self, optimizer: torch.optim.Optimizer) -> None:
-        """The last pre-hook of a step whose update the program ran: leave the step no group."""
+        """The last pre-hook of a step whose update the program ran: leave the step no group.
+        Of one whose update it did not run, after another optimizer's step ran the policy over
+        parameters it steps: say so (:meth:`_ran_first`)."""
         self._put_back(optimizer)
         if optimizer in self._ran:
             self._ran.discard(optimizer)
             self._aside[optimizer], optimizer.param_groups = optimizer.param_groups, []
+        elif self._preceded is not None and optimizer not in self._told:
+            other, ids = self._preceded
+            if any(id(p) in ids and p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+                self._tell(optimizer, f"{other} steps some of the models' parameters, and stepped first")
 
     def _put_back(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         """After the step (a post-hook), or before the next if a hook raised in between."""
