@@ -164,7 +164,8 @@ def test_compiled_autograd_is_refused_in_graph_scope():
 @pytest.mark.parametrize("policy", [fxgrad.clip_by_global_norm(1e-3), fxgrad.monitor()], ids=repr)
 def test_compiled_autograd_around_backward_alone_is_refused(compile_with, policy):
     """Compiled autograd turned on around ``backward()`` alone, from the first step or later: the
-    forward cannot see it, so the backward refuses it (it would run the unrewritten graph)."""
+    forward cannot see it, and the backward runs the unrewritten graphs; the step that would take
+    those gradients refuses them (the policy did nothing: silently, from a later step)."""
     from torch._dynamo import compiled_autograd
 
     for plain_steps in (0, 2):
@@ -172,12 +173,48 @@ def test_compiled_autograd_around_backward_alone_is_refused(compile_with, policy
         model = models.MLP()
         backend = fxgrad.backend(policy, compiler="aot_eager")
         compiled = compile_with(backend, model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(plain_steps):
             models.loss_of(compiled(torch.randn(2, 16))).backward()
+            optimizer.step()
+            optimizer.zero_grad()
         loss = models.loss_of(compiled(torch.randn(2, 16)))
         with compiled_autograd._enable(torch.compile(backend="aot_eager")):
-            with pytest.raises(fxgrad.CoverageError, match="compiled autograd is on"):
-                loss.backward()
+            loss.backward()
+        weights = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(fxgrad.CoverageError, match="a backward under compiled autograd wrote"):
+            optimizer.step()
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["frozen", "inputs", "dropped"])
+def test_compiled_autograd_around_a_backward_that_writes_none_of_the_models_gradients_is_fine(compile_with, how):
+    """A GAN's generator step under compiled autograd: the discriminator frozen, the backward
+    asked for the generator's gradients alone, or the discriminator's gradients it wrote dropped
+    by ``zero_grad()`` before its own step's backward. The discriminator's policy acts on every
+    gradient its optimizer steps, and nothing is refused (the first version of the check raised
+    in the backward)."""
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    generator, discriminator = nn.Linear(4, 16), models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager")
+    judge = compile_with(backend, discriminator)
+    optimizer = torch.optim.SGD(generator.parameters(), lr=0.1)
+    if how == "frozen":
+        discriminator.requires_grad_(False)
+    loss = models.loss_of(judge(generator(torch.randn(2, 4))))
+    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        loss.backward(inputs=list(generator.parameters()) if how == "inputs" else None)
+    optimizer.step()
+    if how == "dropped":
+        judged = torch.optim.SGD(discriminator.parameters(), lr=0.1)
+        judged.zero_grad()
+        models.loss_of(judge(torch.randn(2, 16))).backward()
+        judged.step()
+    else:
+        assert all(p.grad is None for p in discriminator.parameters())
     torch._dynamo.reset()
 
 

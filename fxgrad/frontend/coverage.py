@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Collection, Iterable, Sequence
 
 import torch
 import torch.distributed
@@ -291,6 +291,14 @@ COMPILED_AUTOGRAD = (
 )
 
 
+UNPOLICED = (
+    "fxgrad: {optimizer} steps gradients that a backward under compiled autograd wrote (turned on around "
+    "backward()). Compiled autograd retraces AOTAutograd's original backward graphs, not fxgrad's rewrite of "
+    "them, so the policy {transform!r} did not act on them. Use fxgrad.backend(..., scope='step'), which "
+    "applies the policy to .grad at optimizer.step(), or turn compiled autograd off."
+)
+
+
 class CoverageCheck:
     """Checks each backward graph of one backend and reports each finding once."""
 
@@ -300,6 +308,7 @@ class CoverageCheck:
         self.fatal: list[str] = []  # what was reported that strict=True raises (explain's copy is not strict)
         # parameters in no graph while the rest of their layer is in one: unused, or run eagerly (see unplaced_used)
         self.unplaced: dict[int, tuple[weakref.ref, str]] = {}
+        self._unpoliced: dict[int, weakref.ref] = {}  # by id: see note_compiled_autograd
 
     def graph(self, registry: GraphRegistry, graph: CapturedGraph, plan: GraphPlan, has_grad: set[int]) -> None:
         """Compare ``plan`` with what the policy targets across the model; warn or raise."""
@@ -459,12 +468,39 @@ class CoverageCheck:
             fatal=True,
         )
 
-    def compiled_autograd(self, in_backward: bool = False) -> None:
-        """Refuse to rewrite backward graphs that compiled autograd would bypass: at a forward, when
-        it may run the backward; in one (``in_backward``: turned on around ``backward()`` alone), when
-        it runs it."""
-        if _compat.compiled_autograd_running() if in_backward else _compat.compiled_autograd_requested():
+    def compiled_autograd(self) -> None:
+        """At a forward: refuse to rewrite backward graphs that compiled autograd would bypass."""
+        if _compat.compiled_autograd_requested():
             raise CoverageError(COMPILED_AUTOGRAD.format(transform=self.transform))
+
+    def note_compiled_autograd(self, params: Callable[[], Iterable[nn.Parameter]]) -> None:
+        """In a backward that reached a compiled forward's outputs: if compiled autograd runs it
+        (turned on around ``backward()`` alone, which no forward sees), note the forward's
+        trainable ``params()``. It runs the unrewritten graphs: the step that takes a gradient of
+        theirs raises (:meth:`refuse_unpoliced`). Not at once: the backward may write none of
+        theirs (a frozen discriminator in a GAN's generator step, ``backward(inputs=...)``). A
+        later backward through the rewritten graphs, once ``zero_grad()`` dropped them, starts over."""
+        if _compat.compiled_autograd_running():
+            self._unpoliced.update((id(p), weakref.ref(p)) for p in params() if p is not None and p.requires_grad)
+        elif self._unpoliced:
+            for p in params():
+                if p is not None and p.grad is None:
+                    self._unpoliced.pop(id(p), None)
+
+    def refuse_unpoliced(self, stepped: Callable[[], Collection[int]], optimizer: str) -> None:
+        """At an optimizer's step (``stepped()``: the ids of the parameters it steps): raise if it
+        steps a gradient that a backward under compiled autograd wrote (:meth:`note_compiled_autograd`)."""
+        if not self._unpoliced:
+            return
+        ids = stepped()
+        params = {key: p for key, ref in self._unpoliced.items() if (p := ref()) is not None}
+        hit = any(p.grad is not None and key in ids for key, p in params.items())
+        # kept: those with a gradient another optimizer steps (a GAN's other network)
+        self._unpoliced = {
+            key: self._unpoliced[key] for key, p in params.items() if p.grad is not None and key not in ids
+        }
+        if hit:
+            raise CoverageError(UNPOLICED.format(optimizer=optimizer, transform=self.transform))
 
     def warn(self, message: str) -> None:
         """Warn once per message with :class:`CoverageWarning`."""

@@ -369,7 +369,7 @@ class ForwardWatch:
         _REACHED.add(_compat.backward_pass_id())
         if not first():
             return
-        self.coverage.compiled_autograd(in_backward=True)
+        self.coverage.note_compiled_autograd(self.model.parameters)
         if ran_eagerly:
             self.coverage.ran_eagerly(self.model, False, stance=stance)
         if self._probes:
