@@ -150,12 +150,12 @@ class Report:
 def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = False, **kwargs: Any) -> Report:
     """Run one forward and backward of ``model`` with ``backend`` and report.
 
-    The loss is ``output.loss`` when the output has one (Hugging Face models), or
-    ``output["loss"]`` of a dict, a tuple's first element when it is a scalar with a gradient (``(loss, logits)``,
-    as with ``return_dict=False``), otherwise the sum of the floating-point
-    outputs. ``model`` is left as it was: its gradients, buffers (BatchNorm
-    statistics), the gradients of inputs that require grad and the RNG state are
-    restored afterwards. Coverage problems are reported, not raised. The
+    The loss is ``output.loss`` when the output has one (Hugging Face models) or
+    ``output["loss"]`` of a dict, else a tuple's first element when it is a scalar
+    with a gradient (``(loss, logits)``, as with ``return_dict=False``), otherwise the
+    sum of the floating-point outputs. ``model`` is left as it was: its gradients,
+    buffers (BatchNorm statistics), the gradients of inputs that require grad and the
+    RNG state are restored afterwards. Coverage problems are reported, not raised. The
     backward is of the unscaled loss, so a backend's ``GradScaler`` is left
     out: the graphs shown do not divide the norms by the loss scale.
 
