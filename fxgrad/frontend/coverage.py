@@ -214,6 +214,12 @@ def frozen_layers(model: nn.Module, skip: Sequence[SkipEntry]) -> list[Layer]:
     return build_layers([row for row in frozen if row.layer not in held], (), skip)
 
 
+def _grad_state(param: nn.Parameter) -> tuple:
+    """What tells a write to ``param.grad`` (a new tensor, or one changed in place): no sync."""
+    grad = param.grad
+    return (None, 0) if grad is None else (id(grad), _compat.tensor_version(grad))
+
+
 def _unique(rows: list[tuple[Layer, str]]) -> tuple[tuple[Layer, str], ...]:
     """One row per layer, the first reason kept."""
     return tuple({layer: (layer, why) for layer, why in reversed(rows)}.values())[::-1]
@@ -308,7 +314,7 @@ class CoverageCheck:
         self.fatal: list[str] = []  # what was reported that strict=True raises (explain's copy is not strict)
         # parameters in no graph while the rest of their layer is in one: unused, or run eagerly (see unplaced_used)
         self.unplaced: dict[int, tuple[weakref.ref, str]] = {}
-        self._unpoliced: dict[int, weakref.ref] = {}  # by id: see note_compiled_autograd
+        self._unpoliced: dict[int, tuple[weakref.ref, tuple]] = {}  # by id: see note_compiled_autograd
 
     def graph(self, registry: GraphRegistry, graph: CapturedGraph, plan: GraphPlan, has_grad: set[int]) -> None:
         """Compare ``plan`` with what the policy targets across the model; warn or raise."""
@@ -478,10 +484,15 @@ class CoverageCheck:
         (turned on around ``backward()`` alone, which no forward sees), note the forward's
         trainable ``params()``. It runs the unrewritten graphs: the step that takes a gradient of
         theirs raises (:meth:`refuse_unpoliced`). Not at once: the backward may write none of
-        theirs (a frozen discriminator in a GAN's generator step, ``backward(inputs=...)``). A
-        later backward through the rewritten graphs, once ``zero_grad()`` dropped them, starts over."""
+        theirs (a frozen discriminator in a GAN's generator step, ``backward(inputs=...)``): each
+        is noted with its ``.grad`` as it is now, which a gradient the backward writes replaces or
+        changes in place. A later backward through the rewritten graphs, once ``zero_grad()``
+        dropped them, starts over (zeroed in place, ``set_to_none=False``, they stay noted:
+        telling zeros from a gradient would take a host sync)."""
         if _compat.compiled_autograd_running():
-            self._unpoliced.update((id(p), weakref.ref(p)) for p in params() if p is not None and p.requires_grad)
+            for p in params():
+                if p is not None and p.requires_grad and id(p) not in self._unpoliced:
+                    self._unpoliced[id(p)] = weakref.ref(p), _grad_state(p)
         elif self._unpoliced:
             for p in params():
                 if p is not None and p.grad is None:
@@ -493,14 +504,15 @@ class CoverageCheck:
         if not self._unpoliced:
             return
         ids = stepped()
-        params = {key: p for key, ref in self._unpoliced.items() if (p := ref()) is not None}
-        hit = any(p.grad is not None and key in ids for key, p in params.items())
-        # kept: those with a gradient another optimizer steps (a GAN's other network)
-        self._unpoliced = {
-            key: self._unpoliced[key] for key, p in params.items() if p.grad is not None and key not in ids
-        }
-        if hit:
+        written = {}  # those whose gradient the backward under compiled autograd wrote, and is still there
+        for key, (ref, before) in self._unpoliced.items():
+            p = ref()
+            if p is not None and p.grad is not None and _grad_state(p) != before:
+                written[key] = ref, before
+        if any(key in ids for key in written):  # kept: a retry of the step is refused too
+            self._unpoliced = written
             raise CoverageError(UNPOLICED.format(optimizer=optimizer, transform=self.transform))
+        self._unpoliced = {key: entry for key, entry in written.items() if key not in ids}  # another optimizer's
 
     def warn(self, message: str) -> None:
         """Warn once per message with :class:`CoverageWarning`."""

@@ -127,6 +127,7 @@ class UpdateFolds:
         """The update of ``optimizer`` over ``owners``' parameters, if it steps exactly those
         with a gradient and can run in the program now; else ``None``."""
         if optimizer is None:  # backend.step(): the optimizers' own steps follow
+            self._preceded = None
             return None
         if optimizer not in self._folded:
             self._ran_first(optimizer, owners)
