@@ -414,10 +414,10 @@ class Backend:
         it), :class:`GradWrites` notes what the backward sums into ``.grad``."""
         if not first():
             return
-        if self._coverage is not None and self.current_scope() == "graph":
+        if self._coverage is not None and self.current_scope() == "graph":  # a policy in the graphs
             self._coverage.note_compiled_autograd(lambda: [p.tensor() for p in graph.params])
-        if self._folds and self.current_scope() == "graph":
-            self._note_pass(graph)
+            if self._folds:
+                self._note_pass(graph)
         self._backwards += 1
         if probe is None:
             return
@@ -756,8 +756,8 @@ class Backend:
         keep the weights that update-level factors scale the change of, and give a folded
         optimizer the factor the policy left."""
         self._drop_kept()
-        if self._coverage is not None:
-            self._coverage.refuse_unpoliced(lambda: stepped_ids(optimizer), type(optimizer).__name__)
+        if self._coverage is not None and self._coverage.unpoliced:
+            self._coverage.refuse_unpoliced(stepped_ids(optimizer), type(optimizer).__name__)
         if self._loaded:
             self._loaded = False
             self._report_unplaced()

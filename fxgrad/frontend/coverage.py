@@ -498,12 +498,14 @@ class CoverageCheck:
                 if p is not None and p.grad is None:
                     self._unpoliced.pop(id(p), None)
 
-    def refuse_unpoliced(self, stepped: Callable[[], Collection[int]], optimizer: str) -> None:
-        """At an optimizer's step (``stepped()``: the ids of the parameters it steps): raise if it
-        steps a gradient that a backward under compiled autograd wrote (:meth:`note_compiled_autograd`)."""
-        if not self._unpoliced:
-            return
-        ids = stepped()
+    @property
+    def unpoliced(self) -> bool:
+        """Whether :meth:`note_compiled_autograd` noted gradients a step may take (else no step asks)."""
+        return bool(self._unpoliced)
+
+    def refuse_unpoliced(self, ids: Collection[int], optimizer: str) -> None:
+        """At an optimizer's step (``ids``: those of the parameters it steps): raise if it steps a
+        gradient that a backward under compiled autograd wrote (:meth:`note_compiled_autograd`)."""
         written = {}  # those whose gradient the backward under compiled autograd wrote, and is still there
         for key, (ref, before) in self._unpoliced.items():
             p = ref()
