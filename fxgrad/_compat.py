@@ -572,14 +572,12 @@ def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:
     return scaler._scale
 
 
-def grad_scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer | None = None) -> bool:
-    """Whether ``scaler.unscale_(optimizer)`` (of any optimizer, for ``None``) already ran in this
-    iteration."""
+def grad_scaler_unscaled(scaler: Any) -> set[int]:
+    """The ids of the optimizers whose gradients ``scaler`` unscaled in this iteration
+    (``scaler.unscale_(optimizer)``, or ``scaler.step(optimizer)`` before a non-fused update)."""
     from torch.amp.grad_scaler import OptState
 
-    states = scaler._per_optimizer_states
-    chosen = [states[id(optimizer)]] if optimizer is not None else states.values()
-    return any(state["stage"] is not OptState.READY for state in chosen)
+    return {key for key, state in scaler._per_optimizer_states.items() if state["stage"] is not OptState.READY}
 
 
 def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:

@@ -305,6 +305,68 @@ def test_step_after_grad_scaler_unscale():
     assert_grads_close(model, eager)
 
 
+def two_optimizers(model):
+    """Muon's split, by hand: one optimizer for the matrices, one for the rest."""
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    return torch.optim.SGD(matrices, lr=0.1, momentum=0.9), torch.optim.Adam(rest, lr=1e-2)
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["scaler given", "no scaler given"])
+def test_grad_scaler_with_two_optimizers_unscales_each_first(given):
+    """``scaler.step(o)`` unscales ``o``'s gradients alone: at the first one, where the policy runs
+    over the whole model, the other optimizer's are still scaled. Refused there, the weights
+    unchanged (it moved them 7% from eager before), and exact once the loop unscales each first."""
+    model, eager = mlp_and_copy()
+    optimizers, eager_optimizers = two_optimizers(model), two_optimizers(eager)
+    scaler, eager_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2))
+    policy = fxgrad.clip_by_global_norm(1e-2)
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope="step", scaler=scaler if given else None)
+    compiled = backend.compile(model)
+    x = torch.randn(8, 16)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(models.loss_of(compiled(x))).backward()
+    with pytest.raises(fxgrad.CoverageError, match=r"not the model's 10 other gradients.*unscale_\(o\) for every"):
+        scaler.step(optimizers[0])
+    for p, weight in zip(model.parameters(), before):
+        torch.testing.assert_close(p, weight, rtol=0, atol=0)
+
+    def step(run, opts, amp, unscale):
+        for optimizer in unscale:
+            amp.unscale_(optimizer)
+        if run is eager:
+            ref.clip_global(eager, 1e-2)
+        for optimizer in opts:
+            amp.step(optimizer)
+        amp.update()
+
+    step(compiled, optimizers, scaler, optimizers[1:])  # the retry: scaler.step() unscaled the first
+    eager_scaler.scale(models.loss_of(eager(x))).backward()
+    step(eager, eager_optimizers, eager_scaler, eager_optimizers)
+    for _ in range(2):
+        for run, opts, amp in ((compiled, optimizers, scaler), (eager, eager_optimizers, eager_scaler)):
+            for optimizer in opts:
+                optimizer.zero_grad()
+            amp.scale(models.loss_of(run(x))).backward()
+            step(run, opts, amp, opts)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_grad_scaler_with_two_optimizers_warns_when_not_strict():
+    model = models.MLP()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    backend = fxgrad.backend(fxgrad.clip_by_norm(1e-2), compiler="aot_eager", scope="step", strict=False)
+    first, second = two_optimizers(model)
+    scaler.scale(models.loss_of(backend.compile(model)(torch.randn(8, 16)))).backward()
+    with pytest.warns(fxgrad.CoverageWarning, match="gradients of two scales"):
+        scaler.step(first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.step(second)
+        scaler.update()
+
+
 def test_other_optimizers_are_left_alone(compile_with):
     model, other = models.MLP(), models.MLP()
     backend = fxgrad.backend(fxgrad.clip_by_norm(1e-3), compiler="aot_eager", scope="step")

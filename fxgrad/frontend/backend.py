@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -92,6 +92,13 @@ SCALED_IN_GRAPH = (
     "the backward graph ran the policy {transform!r} on the gradients the scaler had scaled, so its norms "
     "were the loss scale times too large. Build the backend with fxgrad.backend(..., scaler=scaler), which "
     "reads the scale on the device, or use scope='step', which runs after scaler.unscale_()."
+)
+
+TWO_SCALES = (
+    "fxgrad: at {optimizer}'s first step the policy {transform!r} runs once over the whole model, and a "
+    "GradScaler has unscaled {unscaled}, not {scaled}: the policy would read gradients of two scales. Call "
+    "scaler.unscale_(o) for every optimizer before the first scaler.step(), as clip_grad_norm_ over the "
+    "model needs too (docs/distributed.md, At optimizer.step())"
 )
 
 DTENSOR_IN_GRAPH = (
@@ -646,7 +653,7 @@ class Backend:
         if not models:
             raise RuntimeError("step() has no model: pass step(model), or compile one with this backend first")
         self._step.arm()
-        unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler)  # called after unscale_
+        unscaled = self.scaler is not None and bool(_compat.grad_scaler_unscaled(self.scaler))  # called after unscale_
         self._step.apply(models, None if unscaled else self.scaler, by_hand=True)
 
     def fold(self, optimizer: torch.optim.Optimizer) -> None:
@@ -970,6 +977,8 @@ class Backend:
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self._drop_kept()
+        if optimizer is not None and params is not None and optimizer not in self._first_step_seen:
+            self._check_one_scale(optimizer, params)
         self._policy_runs.ran()
         self._step_runs += 1
         ran = apply_to_grads(
@@ -986,6 +995,30 @@ class Backend:
         )
         if ran is not None:
             self._updates.ran(optimizer)
+
+    def _check_one_scale(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:
+        """Refuse (warn, with ``strict=False``) the first step of ``optimizer`` that runs the policy
+        when a GradScaler unscaled the gradients it steps and not the model's others, or the
+        other way round: two optimizers over one model, stepped by ``scaler.step()`` one after
+        the other, unscale one at a time (an optimizer that unscaled counts for all the others:
+        fxgrad cannot see which parameters a scaler's optimizers hold)."""
+        scaler = self.scaler if self.scaler is not None else _compat.stepping_grad_scaler()
+        if scaler is None:
+            return
+        stepped = stepped_ids(optimizer)
+        others = sum(1 for p in params if id(p) not in stepped and p.grad is not None)
+        unscaled = _compat.grad_scaler_unscaled(scaler)
+        if not others or (id(optimizer) in unscaled) == bool(unscaled - {id(optimizer)}):
+            return
+        ours, theirs = f"the gradients {type(optimizer).__name__} steps", f"the model's {others} other gradients"
+        if id(optimizer) not in unscaled:
+            ours, theirs = theirs, ours
+        message = TWO_SCALES.format(
+            optimizer=type(optimizer).__name__, transform=self.transform, unscaled=ours, scaled=theirs
+        )
+        if self.strict:
+            raise CoverageError(message)
+        warn(message, CoverageWarning)
 
     # ------------------------------------------------------------ state
 

@@ -334,7 +334,7 @@ class StepScope:
         if not steps_ours:
             return
         if not self._edited_since_by_hand():
-            unscaled = self.scaler is not None and _compat.grad_scaler_unscaled(self.scaler, optimizer)
+            unscaled = self.scaler is not None and id(optimizer) in _compat.grad_scaler_unscaled(self.scaler)
             self.apply(models, None if unscaled else self.scaler, params, optimizer=optimizer)
         self.after(optimizer)
 

@@ -150,7 +150,7 @@ class FxgradCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         scaler = _scaler(trainer)
-        if scaler is not None and _compat.grad_scaler_unscaled(scaler, optimizer):
+        if scaler is not None and id(optimizer) in _compat.grad_scaler_unscaled(scaler):
             scaler = None  # Lightning unscaled the gradients before this hook (not for a fused optimizer)
         self.backend.transform_grads(pl_module, scaler, optimizer)
         self._unlogged = True
