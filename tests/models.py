@@ -203,6 +203,29 @@ def t5():
     return T5ForConditionalGeneration(config), (ids,), {"labels": _hf_ids(64)}
 
 
+def mobilebert():
+    """NoNorm, an elementwise affine in LayerNorm's place, stored as ``...LayerNorm``: the
+    default skip list's patterns match it by name (docs/transforms.md, "The skip list")."""
+    from transformers import MobileBertConfig, MobileBertForMaskedLM
+
+    config = MobileBertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        embedding_size=16,
+        true_hidden_size=16,
+        intra_bottleneck_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_feedforward_networks=2,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    ids = _hf_ids(64)
+    return MobileBertForMaskedLM(config), (ids,), {"labels": ids}
+
+
 BUILDERS = {
     "mlp": mlp,
     "cnn": cnn,
@@ -213,6 +236,7 @@ BUILDERS = {
     "bert": bert,
     "llama": llama,
     "t5": t5,
+    "mobilebert": mobilebert,
 }
 
 

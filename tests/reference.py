@@ -13,12 +13,26 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.parametrize import ParametrizationList
 
-NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+NORM_TYPES = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
+NORM_PATTERNS = ("*LayerNorm*", "*RMSNorm*", "*GroupNorm*", "*BatchNorm*", "*InstanceNorm*")
 
 
-def is_norm_layer(module: nn.Module) -> bool:
-    name = type(module).__name__
-    return isinstance(module, NORM_TYPES) or "LayerNorm" in name or "RMSNorm" in name
+def is_norm_layer(name: str, module: nn.Module) -> bool:
+    """docs/transforms.md, "The skip list": torch's norm types, and the patterns matched
+    against the class name and the layer's qualified name."""
+    names = (type(module).__name__, name)
+    return isinstance(module, NORM_TYPES) or any(fnmatch.fnmatchcase(n, p) for n in names for p in NORM_PATTERNS)
 
 
 def layers(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
@@ -48,7 +62,7 @@ def trainable_layers(model, skip_norm=True):
     """``(name, module, params with a gradient)`` for layers per-layer transforms touch."""
     out = []
     for name, module, params in layers(model):
-        if skip_norm and is_norm_layer(module):
+        if skip_norm and is_norm_layer(name, module):
             continue
         with_grad = [p for p in params if p.grad is not None]
         if with_grad:

@@ -13,7 +13,7 @@ from parity import check_parity
 
 import fxgrad
 
-MODELS = ["mlp", "cnn", "parametrized", "transformer", "lstm", "gpt2", "bert", "llama", "t5"]
+MODELS = ["mlp", "cnn", "parametrized", "transformer", "lstm", "gpt2", "bert", "llama", "t5", "mobilebert"]
 
 
 def depth_target(depth, layer):
@@ -50,10 +50,12 @@ def test_parity_aot_eager(model_name, policy):
 
 
 @pytest.mark.parametrize("policy", ["per_layer", "rescale_then_global"])
-def test_parametrized_layers_in_step_scope(policy):
-    """Step scope, too, puts a parametrized weight's originals in the module it parametrizes."""
+@pytest.mark.parametrize("model_name", ["parametrized", "mobilebert"])
+def test_layers_in_step_scope(model_name, policy):
+    """Step scope, too, puts a parametrized weight's originals in the module it parametrizes, and
+    skips MobileBERT's NoNorm layers by their name (``...LayerNorm``)."""
     transform, reference = POLICIES[policy]
-    check_parity("parametrized", transform, reference, scope="step")
+    check_parity(model_name, transform, reference, scope="step")
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "cnn"])

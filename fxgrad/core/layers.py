@@ -61,7 +61,8 @@ DEFAULT_SKIP: tuple[SkipEntry, ...] = (
     nn.InstanceNorm2d,
     nn.InstanceNorm3d,
     # Norm classes of model zoos that don't subclass torch's (LlamaRMSNorm,
-    # T5LayerNorm, timm's LayerNorm2d, apex's FusedLayerNorm, ...):
+    # T5LayerNorm, timm's LayerNorm2d, apex's FusedLayerNorm, ...), and layers
+    # named as norms (MobileBERT's NoNorm, stored as ...LayerNorm):
     "*LayerNorm*",
     "*RMSNorm*",
     "*GroupNorm*",
