@@ -47,6 +47,7 @@ __all__ = [
     "TorchDispatchMode",
     "outside_dispatch_modes",
     "grad_scaler_scale",
+    "grad_scaler_stepped",
     "grad_scaler_unscaled",
     "optimizer_step_hooks",
     "tensor_version",
@@ -573,11 +574,22 @@ def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:
 
 
 def grad_scaler_unscaled(scaler: Any) -> set[int]:
-    """The ids of the optimizers whose gradients ``scaler`` unscaled in this iteration
-    (``scaler.unscale_(optimizer)``, or ``scaler.step(optimizer)`` before a non-fused update)."""
+    """The ids of the optimizers whose gradients ``scaler`` unscaled and that have not stepped
+    since (``scaler.unscale_(optimizer)``, or ``scaler.step(optimizer)`` of a non-fused one, in
+    its update): a later backward writes scaled gradients again, until ``scaler.update()``."""
+    return _grad_scaler_at("UNSCALED", scaler)
+
+
+def grad_scaler_stepped(scaler: Any) -> set[int]:
+    """The ids of the optimizers ``scaler.step()`` stepped since the last ``scaler.update()``."""
+    return _grad_scaler_at("STEPPED", scaler)
+
+
+def _grad_scaler_at(stage: str, scaler: Any) -> set[int]:
     from torch.amp.grad_scaler import OptState
 
-    return {key for key, state in scaler._per_optimizer_states.items() if state["stage"] is not OptState.READY}
+    wanted = OptState[stage]
+    return {key for key, state in scaler._per_optimizer_states.items() if state["stage"] is wanted}
 
 
 def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:

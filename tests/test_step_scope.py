@@ -326,7 +326,7 @@ def test_grad_scaler_with_two_optimizers_unscales_each_first(given):
     x = torch.randn(8, 16)
     before = [p.detach().clone() for p in model.parameters()]
     scaler.scale(models.loss_of(compiled(x))).backward()
-    with pytest.raises(fxgrad.CoverageError, match=r"not the model's 10 other gradients.*unscale_\(o\) for every"):
+    with pytest.raises(fxgrad.CoverageError, match=r"not the 10 other gradients it reads.*unscale_\(o\) for every"):
         scaler.step(optimizers[0])
     for p, weight in zip(model.parameters(), before):
         torch.testing.assert_close(p, weight, rtol=0, atol=0)
@@ -364,6 +364,45 @@ def test_grad_scaler_with_two_optimizers_warns_when_not_strict():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         scaler.step(second)
+        scaler.update()
+
+
+class GAN(nn.Module):
+    """A generator and a discriminator in one module, compiled as one."""
+
+    def __init__(self):
+        super().__init__()
+        self.generator, self.discriminator = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8)), Discriminator()
+
+    def forward(self, z):
+        return self.discriminator(self.generator(z))
+
+
+@pytest.mark.parametrize("policy", ["per_layer_clip", "global_clip"])
+def test_grad_scaler_with_two_optimizers_gradients_no_update_takes(policy):
+    """The gradients a per-layer policy reads at two scales and no update takes are no reason to
+    refuse: the norm layers' (skipped), given to an optimizer of their own, and the gradients the
+    generator's backward writes into a discriminator that stepped already. A global clip reads
+    both into its norm: refused (the GAN's generator moved 5% from eager before)."""
+    model = GAN()
+    compiled = fxgrad.backend(POLICIES[policy][0], compiler="aot_eager", scope="step").compile(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    norms = list(model.generator[1].parameters())
+    generator = torch.optim.SGD([p for p in model.generator.parameters() if all(p is not q for q in norms)], lr=0.1)
+    norm, discriminator = torch.optim.SGD(norms, lr=0.1), torch.optim.SGD(model.discriminator.parameters(), lr=0.1)
+    z = torch.randn(8, 4)
+    scaler.scale(models.loss_of(model.discriminator(torch.randn(8, 8)))).backward()
+    scaler.step(discriminator)
+    generator.zero_grad()
+    scaler.scale(models.loss_of(compiled(z))).backward()
+    if policy == "global_clip":
+        with pytest.raises(fxgrad.CoverageError, match="if one stepped them already"):
+            scaler.step(generator)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.step(generator)
+        scaler.step(norm)
         scaler.update()
 
 

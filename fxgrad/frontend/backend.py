@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.fx
@@ -63,7 +63,14 @@ from fxgrad.frontend.step_check import (
     trainer_clip,
 )
 from fxgrad.frontend.step_program import StepPrograms
-from fxgrad.frontend.step_scope import PolicyRuns, StepScope, apply_to_grads, models_owners, owners_layers
+from fxgrad.frontend.step_scope import (
+    PolicyRuns,
+    StepScope,
+    apply_to_grads,
+    models_owners,
+    owners_layers,
+    step_routes,
+)
 from fxgrad.frontend.update_factors import UpdateFactors
 from fxgrad.frontend.update_program import UpdateFolds
 from fxgrad.frontend.warm_start import StandIn
@@ -96,9 +103,11 @@ SCALED_IN_GRAPH = (
 
 TWO_SCALES = (
     "fxgrad: at {optimizer}'s first step the policy {transform!r} runs once over the whole model, and a "
-    "GradScaler has unscaled {unscaled}, not {scaled}: the policy would read gradients of two scales. Call "
-    "scaler.unscale_(o) for every optimizer before the first scaler.step(), as clip_grad_norm_ over the "
-    "model needs too (docs/distributed.md, At optimizer.step())"
+    "GradScaler has unscaled {unscaled}, not {scaled}: the policy would read gradients of two scales. If "
+    "another optimizer steps them, call scaler.unscale_(o) for every optimizer before the first "
+    "scaler.step(), as clip_grad_norm_ over the model needs too; if one stepped them already (a GAN's "
+    "discriminator in one module with its generator), compile the networks as models of their own; if none "
+    "steps them, freeze them (requires_grad_(False)) (docs/distributed.md, At optimizer.step())"
 )
 
 DTENSOR_IN_GRAPH = (
@@ -630,7 +639,8 @@ class Backend:
         """Apply the policy to the current ``.grad`` (step scope), once per optimizer step.
 
         Call it after the last ``backward()`` of the step (DDP has averaged the
-        gradients by then); with a ``GradScaler``, before or after ``scaler.unscale_``.
+        gradients by then); with a ``GradScaler``, before ``scaler.unscale_`` or after it
+        unscaled every optimizer's.
         Optional when a ``torch.optim`` optimizer steps the model: ``optimizer.step()``
         runs it if it has not run on these gradients.
         ``model`` defaults to every model this backend compiled or stepped
@@ -977,8 +987,8 @@ class Backend:
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self._drop_kept()
-        if optimizer is not None and params is not None and optimizer not in self._first_step_seen:
-            self._check_one_scale(optimizer, params)
+        if optimizer is not None and optimizer not in self._first_step_seen:
+            self._check_one_scale(optimizer, models)
         self._policy_runs.ran()
         self._step_runs += 1
         ran = apply_to_grads(
@@ -996,26 +1006,34 @@ class Backend:
         if ran is not None:
             self._updates.ran(optimizer)
 
-    def _check_one_scale(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:
+    def _check_one_scale(self, optimizer: torch.optim.Optimizer, models: list[tuple[nn.Module, str]]) -> None:
         """Refuse (warn, with ``strict=False``) the first step of ``optimizer`` that runs the policy
-        when a GradScaler unscaled the gradients it steps and not the model's others, or the
+        when a GradScaler unscaled the gradients it steps and not others the policy reads, or the
         other way round: two optimizers over one model, stepped by ``scaler.step()`` one after
         the other, unscale one at a time (an optimizer that unscaled counts for all the others:
-        fxgrad cannot see which parameters a scaler's optimizers hold)."""
+        fxgrad cannot see which parameters a scaler's optimizers hold). A per-layer policy may
+        read the scaled gradients of an optimizer that stepped already (a GAN's discriminator,
+        after the generator's backward), which no update takes."""
         scaler = self.scaler if self.scaler is not None else _compat.stepping_grad_scaler()
         if scaler is None:
             return
-        stepped = stepped_ids(optimizer)
-        others = sum(1 for p in params if id(p) not in stepped and p.grad is not None)
         unscaled = _compat.grad_scaler_unscaled(scaler)
-        if not others or (id(optimizer) in unscaled) == bool(unscaled - {id(optimizer)}):
+        if (id(optimizer) in unscaled) == bool(unscaled - {id(optimizer)}):
             return
-        ours, theirs = f"the gradients {type(optimizer).__name__} steps", f"the model's {others} other gradients"
+        with_grad, routes = step_routes(self.transform, models, self.skip, self.registry.forward_order())
+        read = {name for _, route in routes for name in route.names}
+        apart = stepped_ids(optimizer)
+        if not self.transform.reduces_across_layers():
+            stepped = _compat.grad_scaler_stepped(scaler)
+            apart.update(*(stepped_ids(other) for other in self._first_step_seen if id(other) in stepped))
+        others = sum(1 for owner in with_grad if owner.layer in read and id(owner.tensor) not in apart)
+        if not others:
+            return
+        name = type(optimizer).__name__
+        ours, theirs = f"the gradients {name} steps", f"the {others} other gradient{'s' * (others > 1)} it reads"
         if id(optimizer) not in unscaled:
             ours, theirs = theirs, ours
-        message = TWO_SCALES.format(
-            optimizer=type(optimizer).__name__, transform=self.transform, unscaled=ours, scaled=theirs
-        )
+        message = TWO_SCALES.format(optimizer=name, transform=self.transform, unscaled=ours, scaled=theirs)
         if self.strict:
             raise CoverageError(message)
         warn(message, CoverageWarning)
