@@ -105,9 +105,16 @@ TWO_SCALES = (
     "fxgrad: at {optimizer}'s first step the policy {transform!r} runs once over the whole model, and a "
     "GradScaler has unscaled {unscaled}, not {scaled}: the policy would read gradients of two scales. If "
     "another optimizer steps them, call scaler.unscale_(o) for every optimizer before the first "
-    "scaler.step(), as clip_grad_norm_ over the model needs too; if one stepped them already (a GAN's "
-    "discriminator in one module with its generator), compile the networks as models of their own; if none "
-    "steps them, freeze them (requires_grad_(False)) (docs/distributed.md, At optimizer.step())"
+    "scaler.step(), as clip_grad_norm_ over the model needs too; if none does, freeze them "
+    "(requires_grad_(False)) (docs/distributed.md, At optimizer.step())"
+)
+
+READ_STEPPED = (
+    "fxgrad: at {optimizer}'s first step the policy {transform!r}, which reduces over layers, runs over the "
+    "whole model and would read {count} gradient(s) of parameters that another optimizer stepped since the "
+    "GradScaler's last update() (a GAN's discriminator held in one module with its generator, whose "
+    "backward wrote them since), which clip_grad_norm_ over the parameters {optimizer} steps would not. "
+    "Compile the networks as models of their own (docs/distributed.md, At optimizer.step())"
 )
 
 DTENSOR_IN_GRAPH = (
@@ -1008,32 +1015,40 @@ class Backend:
 
     def _check_one_scale(self, optimizer: torch.optim.Optimizer, models: list[tuple[nn.Module, str]]) -> None:
         """Refuse (warn, with ``strict=False``) the first step of ``optimizer`` that runs the policy
-        when a GradScaler unscaled the gradients it steps and not others the policy reads, or the
-        other way round: two optimizers over one model, stepped by ``scaler.step()`` one after
-        the other, unscale one at a time (an optimizer that unscaled counts for all the others:
-        fxgrad cannot see which parameters a scaler's optimizers hold). A per-layer policy may
-        read the scaled gradients of an optimizer that stepped already (a GAN's discriminator,
-        after the generator's backward), which no update takes."""
+        over gradients it should not read together, as a GradScaler's stages tell:
+
+        * a cross-layer policy over gradients of an optimizer that stepped since the scaler's last
+          ``update()`` (a GAN's discriminator held in one module with its generator);
+        * the gradients ``optimizer`` steps unscaled, others the policy reads not, or the other way
+          round: two optimizers over one model, stepped by ``scaler.step()`` one after the other,
+          unscale one at a time (an optimizer that unscaled counts for all the others: fxgrad
+          cannot see which parameters a scaler's optimizers hold). A per-layer policy may read
+          the scaled gradients of an optimizer that stepped already, which no update takes.
+        """
         scaler = self.scaler if self.scaler is not None else _compat.stepping_grad_scaler()
         if scaler is None:
             return
         unscaled = _compat.grad_scaler_unscaled(scaler)
-        if (id(optimizer) in unscaled) == bool(unscaled - {id(optimizer)}):
+        stepped = _compat.grad_scaler_stepped(scaler) - {id(optimizer)}
+        mixed = (id(optimizer) in unscaled) != bool(unscaled - {id(optimizer)})
+        across = self.transform.reduces_across_layers()
+        if not mixed and not (across and stepped):
             return
         with_grad, routes = step_routes(self.transform, models, self.skip, self.registry.forward_order())
-        read = {name for _, route in routes for name in route.names}
-        apart = stepped_ids(optimizer)
-        if not self.transform.reduces_across_layers():
-            stepped = _compat.grad_scaler_stepped(scaler)
-            apart.update(*(stepped_ids(other) for other in self._first_step_seen if id(other) in stepped))
-        others = sum(1 for owner in with_grad if owner.layer in read and id(owner.tensor) not in apart)
-        if not others:
-            return
+        names = {name for _, route in routes for name in route.names}
+        read = {id(owner.tensor) for owner in with_grad if owner.layer in names} - stepped_ids(optimizer)
+        done = read & set().union(*(stepped_ids(other) for other in self._first_step_seen if id(other) in stepped))
         name = type(optimizer).__name__
-        ours, theirs = f"the gradients {name} steps", f"the {others} other gradient{'s' * (others > 1)} it reads"
-        if id(optimizer) not in unscaled:
-            ours, theirs = theirs, ours
-        message = TWO_SCALES.format(optimizer=name, transform=self.transform, unscaled=ours, scaled=theirs)
+        if across and done:
+            message = READ_STEPPED.format(optimizer=name, transform=self.transform, count=len(done))
+        elif mixed and read - done:
+            count = len(read - done)
+            ours, theirs = f"the gradients {name} steps", f"the {count} other gradient{'s' * (count > 1)} it reads"
+            if id(optimizer) not in unscaled:
+                ours, theirs = theirs, ours
+            message = TWO_SCALES.format(optimizer=name, transform=self.transform, unscaled=ours, scaled=theirs)
+        else:
+            return
         if self.strict:
             raise CoverageError(message)
         warn(message, CoverageWarning)
