@@ -265,9 +265,10 @@ class GraphRegistry:
                 "from code outside torch.compile (reversible layers recompute their forward in the backward)"
             )
         return (
-            "in no compiled graph: it runs outside torch.compile (a graph break in a loop, a frame "
-            "past torch._dynamo.config.recompile_limit, or a graph whose compile failed, which Dynamo "
-            "runs eagerly after logging why), or the forward does not use it (here, or on "
+            "in no compiled graph: it runs outside torch.compile (under torch.compiler.disable, in a module "
+            "Dynamo skips, a graph break in a loop, a frame past torch._dynamo.config.recompile_limit, or a "
+            "graph whose compile failed, which Dynamo runs eagerly after logging why), or the forward does "
+            "not use it (here, or on "
             "these inputs: a branch taken on some steps only)"
         )
 

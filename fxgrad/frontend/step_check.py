@@ -542,6 +542,6 @@ class StepCheck:
 
     @staticmethod
     def _hint(model: nn.Module) -> str:
-        if type(model).forward.__module__.startswith("torch.nn."):
+        if (type(model).forward.__module__ or "").startswith("torch.nn."):  # None: a torch.fx.GraphModule's
             return TORCH_NN_FORWARD.format(model=type(model).__name__) + STEP_SCOPE
         return "\ntorch._dynamo.explain(model)(*args) lists what Dynamo could not compile, and why." + STEP_SCOPE
