@@ -93,6 +93,26 @@ def test_module_compile_of_a_sequential_is_reported():
         train(model, model)
 
 
+def test_a_graph_module_no_graph_of_which_reached_the_backend_is_reported():
+    """A ``torch.fx.GraphModule`` (FX-mode QAT's ``prepare_qat_fx`` returns one) whose leaves Dynamo
+    runs eagerly: its ``forward`` has no ``__module__``, which the report's hint read."""
+
+    class Disabled(nn.Linear):
+        @torch.compiler.disable
+        def forward(self, x):
+            return super().forward(x)
+
+    class Leaves(torch.fx.Tracer):
+        def is_leaf_module(self, module, name):
+            return True
+
+    model = nn.Sequential(Disabled(8, 16), nn.ReLU(), Disabled(16, 4))
+    model = torch.fx.GraphModule(model, Leaves().trace(model))
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.01), compiler="aot_eager")
+    with pytest.raises(fxgrad.CoverageError, match="(?s)no graph of GraphModule reached the backend.*explain"):
+        train(model, torch.compile(model, backend=backend))
+
+
 def test_compiled_ddp_of_a_sequential_is_reported():
     with one_process_group():
         model = sequential()
@@ -100,6 +120,29 @@ def test_compiled_ddp_of_a_sequential_is_reported():
         compiled = torch.compile(DDP(model), backend=backend)
         with pytest.warns(fxgrad.CoverageWarning, match="(?s)no graph of Sequential.*wrap that in DDP"):
             train(model, compiled)
+
+
+@pytest.mark.parametrize("wrapper", [nn.DataParallel, DDP])
+def test_backend_compile_names_layers_inside_data_parallel(wrapper):
+    """``backend.compile(DDP(model))`` names the layers as ``torch.compile(DDP(model), ...)`` does,
+    ``0`` and ``2``, not ``module.0``: a key routes alike on both paths."""
+    with one_process_group():
+        torch.manual_seed(0)
+        model = TwoOutputs()
+        expected = copy.deepcopy(model)
+        policy = fxgrad.chain(fxgrad.monitor(), fxgrad.by_name({"head": fxgrad.clip_by_norm(1e-3)}))
+        backend = fxgrad.backend(policy, compiler="aot_eager", scope="step")
+        compiled = backend.compile(wrapper(model))
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            sum(out.sum() for out in compiled(x)).backward()
+            backend.step()
+        sum(out.sum() for out in expected(x)).backward()
+        ref.clip_per_layer(expected, 1e-3, select=lambda name, module: name == "head")
+        assert_grads_close(model, expected)
+        assert {"grad_norm/aux", "grad_norm/body", "grad_norm/head"} <= set(backend.stats())
+        assert not any("module." in key for key in backend.stats())
 
 
 def test_documented_ddp_order_and_step_scope_apply_the_policy():

@@ -500,7 +500,8 @@ class Backend:
         gradient of ``model``'s first trainable parameter without passing
         through the compiled module (``model(x)`` called instead of the
         compiled module, or an eager method such as ``get_text_features``).
-        Layer names are relative to ``model``. Compiled again with plain
+        Layer names are relative to ``model`` (to the model inside, for ``DataParallel`` and
+        ``DistributedDataParallel``, as on the plain path). Compiled again with plain
         ``torch.compile`` and this backend (``fabric.setup`` does), the model also
         gets the plain path's checks at ``optimizer.step()``.
 
@@ -527,7 +528,8 @@ class Backend:
             raise ValueError(f"mode= and options= configure Inductor; this backend has compiler={self.compiler!r}")
         if not isinstance(in_place, bool):
             raise TypeError(f"in_place must be True or False, got {in_place!r}")
-        self._adopt(model)
+        inner = _compat.unwrap_model(model)  # layers are named in the model inside DataParallel or DDP
+        self._adopt(inner)
         if in_place:
             model.compile(backend=self, **compile_kwargs)
             compiled = _compat.wrap_compiled_call(model, WatchedCall)
@@ -535,9 +537,9 @@ class Backend:
             compiled = torch.compile(model, backend=self, **compile_kwargs)
         track_wrapper(model, compiled)
         if self._coverage is not None:
-            self._watched.add(model)
+            self._watched.add(inner)
             in_graph = lambda: self.current_scope() == "graph"  # noqa: E731
-            watch = ForwardWatch(model, self._coverage, lambda: self._graph_runs, in_graph, self._note_summed)
+            watch = ForwardWatch(inner, self._coverage, lambda: self._graph_runs, in_graph, self._note_summed)
             watch.install(compiled)
         return model if in_place else compiled
 
