@@ -93,33 +93,33 @@ def test_module_compile_of_a_sequential_is_reported():
         train(model, model)
 
 
-def test_a_graph_module_no_graph_of_which_reached_the_backend_is_reported():
-    """A ``torch.fx.GraphModule`` (FX-mode QAT's ``prepare_qat_fx`` returns one) whose leaves Dynamo
-    runs eagerly: its ``forward`` has no ``__module__``, which the report's hint read."""
+class Disabled(nn.Linear):
+    @torch.compiler.disable
+    def forward(self, x):
+        return super().forward(x)
 
-    class Disabled(nn.Linear):
-        @torch.compiler.disable
-        def forward(self, x):
-            return super().forward(x)
 
-    class Leaves(torch.fx.Tracer):
-        def is_leaf_module(self, module, name):
-            return True
+class Leaves(torch.fx.Tracer):
+    def is_leaf_module(self, module, name):
+        return True
 
+
+@pytest.mark.parametrize("how", ["torch.compile", "backend.compile"])
+@pytest.mark.parametrize("kind", ["module", "GraphModule"])
+def test_layers_all_under_compiler_disable_are_reported(kind, how):
+    """Every layer under ``torch.compiler.disable``: Dynamo compiles the ReLU between them, a
+    graph without parameters, and the policy does nothing. ``backend.compile``'s per-forward check
+    took that graph for the model's (silent). A ``torch.fx.GraphModule`` (FX-mode QAT's
+    ``prepare_qat_fx`` returns one) has a ``forward`` without ``__module__``, which the plain
+    path's report read (an AttributeError)."""
     model = nn.Sequential(Disabled(8, 16), nn.ReLU(), Disabled(16, 4))
-    model = torch.fx.GraphModule(model, Leaves().trace(model))
+    if kind == "GraphModule":
+        model = torch.fx.GraphModule(model, Leaves().trace(model))
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.01), compiler="aot_eager")
-    with pytest.raises(fxgrad.CoverageError, match="(?s)no graph of GraphModule reached the backend.*explain"):
-        train(model, torch.compile(model, backend=backend))
-
-
-def test_compiled_ddp_of_a_sequential_is_reported():
-    with one_process_group():
-        model = sequential()
-        backend = fxgrad.backend(fxgrad.clip_by_norm(0.01), compiler="aot_eager")
-        compiled = torch.compile(DDP(model), backend=backend)
-        with pytest.warns(fxgrad.CoverageWarning, match="(?s)no graph of Sequential.*wrap that in DDP"):
-            train(model, compiled)
+    compiled = torch.compile(model, backend=backend) if how == "torch.compile" else backend.compile(model)
+    name = type(model).__name__
+    with pytest.raises(fxgrad.CoverageError, match=f"(?s)no graph of {name} reached the backend.*compiler.disable"):
+        train(model, compiled)
 
 
 @pytest.mark.parametrize("wrapper", [nn.DataParallel, DDP])
@@ -143,6 +143,20 @@ def test_backend_compile_names_layers_inside_data_parallel(wrapper):
         assert_grads_close(model, expected)
         assert {"grad_norm/aux", "grad_norm/body", "grad_norm/head"} <= set(backend.stats())
         assert not any("module." in key for key in backend.stats())
+
+
+@pytest.mark.parametrize("wrapper", [nn.DataParallel, DDP])
+def test_backend_compile_inside_data_parallel_reports_a_bypassing_backward(wrapper):
+    """The per-forward checks watch the model inside the wrapper: a backward of ``model(x)``,
+    which the compiled module never ran, is reported (it was not, for a while)."""
+    with one_process_group():
+        model = TwoOutputs()
+        compiled = fxgrad.backend(fxgrad.clip_by_global_norm(0.01), compiler="aot_eager").compile(wrapper(model))
+        x = torch.randn(4, 8)
+        sum(out.sum() for out in compiled(x)).backward()
+        model.zero_grad()
+        with pytest.warns(fxgrad.CoverageWarning, match="without passing through a forward of the compiled"):
+            sum(out.sum() for out in model(x)).backward()
 
 
 def test_documented_ddp_order_and_step_scope_apply_the_policy():

@@ -169,6 +169,7 @@ class Backend:
         self.registry = GraphRegistry()
         self._models: list[weakref.ref] = []  # models handed to torch.compile with it, or to step()
         self._graph_runs = 0  # calls of compiled forwards
+        self._parameter_runs = 0  # ... of those that take parameters (a layer's graph, not a ReLU's alone)
         self._backwards = 0  # backward passes through its graphs
         # graph scope, folded: the latest backward pass through them (see _note_pass)
         self._last_pass: tuple[int | None, int, bool, frozenset[int]] = (None, 0, False, frozenset())
@@ -334,7 +335,9 @@ class Backend:
                 self._coverage.compiled_autograd()
             if not step_scope and graph.params and scope == "step":
                 raise CoverageError(SCOPE_CHANGED)
-            self._graph_runs += 1  # lets compile() see forwards that ran no compiled graph
+            self._graph_runs += 1
+            # lets compile() see forwards that ran no layer's graph (functional_call's tensors stand in for some)
+            self._parameter_runs += bool(graph.params or graph.stand_ins)
             graph.last_run = self._graph_runs  # which graphs ran in one forward (registry.parts_of_same_forward)
             if graph.params and not graph.bound_to(args):
                 self._rebind(graph, args)
@@ -535,11 +538,11 @@ class Backend:
             compiled = _compat.wrap_compiled_call(model, WatchedCall)
         else:
             compiled = torch.compile(model, backend=self, **compile_kwargs)
-        track_wrapper(model, compiled)
+        track_wrapper(inner, compiled)
         if self._coverage is not None:
             self._watched.add(inner)
             in_graph = lambda: self.current_scope() == "graph"  # noqa: E731
-            watch = ForwardWatch(inner, self._coverage, lambda: self._graph_runs, in_graph, self._note_summed)
+            watch = ForwardWatch(inner, self._coverage, lambda: self._parameter_runs, in_graph, self._note_summed)
             watch.install(compiled)
         return model if in_place else compiled
 

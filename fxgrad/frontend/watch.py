@@ -23,7 +23,7 @@ Dynamo, which would otherwise trace each hook as a frame of its own with the bac
 take its bookkeeping for graphs of the model). Once per function, not per hook: making one
 costs about 37 us.
 
-    runs = lambda: backend._graph_runs                  # calls of the backend's compiled forwards
+    runs = lambda: backend._parameter_runs              # calls of its compiled forwards that take parameters
     in_graph = lambda: backend.current_scope() == "graph"
     summed = lambda param, message: ...                # reported at the optimizer's step
     ForwardWatch(model, coverage, runs, in_graph, summed).install(torch.compile(model, backend=backend))
@@ -277,7 +277,9 @@ class _Probe:
 class ForwardWatch:
     """The per-forward checks of one compiled model.
 
-    ``graph_runs()`` counts calls of the backend's compiled forwards;
+    ``graph_runs()`` counts calls of the backend's compiled forwards that take parameters (a
+    forward whose layers all run under ``torch.compiler.disable`` compiles the code between
+    them, which holds none, and the policy does nothing);
     ``in_graph()`` tells whether the policy runs in the graph (``scope``).
     """
 
