@@ -78,9 +78,9 @@ class SkipNonfinite(Leaf):
     ``growth_interval=N``, after N finite steps in a row (which clip at the lowered
     thresholds) they are divided by ``backoff`` again, up to the thresholds as
     configured, the way ``GradScaler`` grows its scale back. The factor a step
-    applies is the statistic ``threshold_scale``; ``state_dict()`` keeps the next
-    step's. The rollback half is the training loop's: see
-    ``examples/rollback.py``.
+    applies is the statistic ``threshold_scale`` (a non-finite step, whose gradients
+    are zeroed, reports the lowered one); ``state_dict()`` keeps the next step's.
+    The rollback half is the training loop's: see ``examples/rollback.py``.
 
         >>> import fxgrad
         >>> fxgrad.skip_nonfinite()
