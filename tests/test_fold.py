@@ -535,7 +535,16 @@ def test_two_optimizers_over_one_model_fold_both_or_are_refused(scope):
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager", scope=scope)
     optimizers = split(model)
     backend.fold(optimizers[0])
-    with pytest.raises(ValueError, match="is not folded while 1 other optimizer"):
+    with pytest.raises(ValueError, match="is not folded .* while 1 other optimizer"):
+        run(model, optimizers, backend)
+
+    model = mlp()  # the second one given to fold(), which falls back for a non-fused one
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-2), compiler="aot_eager", scope=scope)
+    optimizers = [split(model)[0], torch.optim.SGD([p for n, p in model.named_parameters() if "bias" in n], lr=0.1)]
+    backend.fold(optimizers[0])
+    with pytest.warns(RuntimeWarning, match=r"fold\(SGD\)"):
+        backend.fold(optimizers[1])
+    with pytest.raises(ValueError, match="or fold\\(\\) fell back for it"):
         run(model, optimizers, backend)
 
 

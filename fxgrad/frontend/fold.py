@@ -462,9 +462,11 @@ class Folds:
                 "with load_state_dict) must be folded too: backend.fold(optimizer)."
             )
         raise ValueError(
-            f"fold: {name} steps parameters of the models of this backend, and is not folded while "
+            f"fold: {name} steps parameters of the models of this backend, and is not folded (not given to "
+            "fold(), or fold() fell back for it, with a RuntimeWarning saying why) while "
             f"{len(self._counts)} other optimizer(s) are: the policy {self.transform!r} left its global factor "
             "to the folded updates, so this one would apply unscaled gradients. Fold every optimizer that steps "
-            "the model (backend.fold(optimizer) for each), or none; an optimizer that wraps a folded one "
+            "the model (backend.fold(optimizer) for each, of a kind it folds into), or none; an optimizer that "
+            "wraps a folded one "
             "(Lookahead, ZeroRedundancyOptimizer) cannot be folded itself: do not fold the one inside it."
         )
