@@ -268,8 +268,7 @@ class GraphRegistry:
             "in no compiled graph: it runs outside torch.compile (under torch.compiler.disable, in a module "
             "Dynamo skips, a graph break in a loop, a frame past torch._dynamo.config.recompile_limit, or a "
             "graph whose compile failed, which Dynamo runs eagerly after logging why), or the forward does "
-            "not use it (here, or on "
-            "these inputs: a branch taken on some steps only)"
+            "not use it (here, or on these inputs: a branch taken on some steps only)"
         )
 
     def model_layers(
