@@ -122,6 +122,15 @@ def test_layers_all_under_compiler_disable_are_reported(kind, how):
         train(model, compiled)
 
 
+def test_compiled_ddp_of_a_sequential_is_reported():
+    with one_process_group():
+        model = sequential()
+        backend = fxgrad.backend(fxgrad.clip_by_norm(0.01), compiler="aot_eager")
+        compiled = torch.compile(DDP(model), backend=backend)
+        with pytest.warns(fxgrad.CoverageWarning, match="(?s)no graph of Sequential.*wrap that in DDP"):
+            train(model, compiled)
+
+
 @pytest.mark.parametrize("wrapper", [nn.DataParallel, DDP])
 def test_backend_compile_names_layers_inside_data_parallel(wrapper):
     """``backend.compile(DDP(model))`` names the layers as ``torch.compile(DDP(model), ...)`` does,
