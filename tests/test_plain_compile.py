@@ -122,6 +122,20 @@ def test_layers_all_under_compiler_disable_are_reported(kind, how):
         train(model, compiled)
 
 
+def test_a_no_grad_functional_call_first_is_no_eager_forward():
+    """Its graph takes tensors, not parameters, and records no stand-ins under ``no_grad`` (no
+    backward follows): the per-forward check must not take it for a forward that ran no layer's
+    graph (a meta-learning or validation pass before training)."""
+    model = sequential()
+    compiled = fxgrad.backend(fxgrad.clip_by_global_norm(0.01), compiler="aot_eager").compile(model)
+    adapted = {f"_orig_mod.{name}": p * 1.0 for name, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        with torch.no_grad():
+            torch.func.functional_call(compiled, adapted, (torch.randn(4, 8),))
+        train(model, compiled)
+
+
 def test_compiled_ddp_of_a_sequential_is_reported():
     with one_process_group():
         model = sequential()

@@ -336,8 +336,9 @@ class Backend:
             if not step_scope and graph.params and scope == "step":
                 raise CoverageError(SCOPE_CHANGED)
             self._graph_runs += 1
-            # lets compile() see forwards that ran no layer's graph (functional_call's tensors stand in for some)
-            self._parameter_runs += bool(graph.params or graph.stand_ins)
+            # lets compile() see forwards that ran no layer's graph (functional_call's tensors stand in for
+            # parameters; under no_grad, where no backward follows, they are not recorded)
+            self._parameter_runs += bool(graph.params or graph.stand_ins or not torch.is_grad_enabled())
             graph.last_run = self._graph_runs  # which graphs ran in one forward (registry.parts_of_same_forward)
             if graph.params and not graph.bound_to(args):
                 self._rebind(graph, args)

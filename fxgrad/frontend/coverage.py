@@ -435,7 +435,8 @@ class CoverageCheck:
         else:
             cause = (
                 ", as Dynamo does once a frame was recompiled torch._dynamo.config.recompile_limit times "
-                "(e.g. once per new input shape; mark the dimension dynamic or raise the limit)"
+                "(e.g. once per new input shape; mark the dimension dynamic or raise the limit), and with "
+                "code under torch.compiler.disable"
             )
         why = (
             f"{what}: torch.compile ran it eagerly{cause}, or traced it into the graph of an outer model "
