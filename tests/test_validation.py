@@ -127,6 +127,16 @@ CASES = [
     (lambda: fxgrad.backend(scope="graph").scaled_grads("m"), TypeError, "model"),
     (lambda: fxgrad.rescale(target=nn.Linear), TypeError, "target"),  # a class is callable, but no target
     (lambda: fxgrad.backend(skip={"lm_head": 1}), TypeError, "skip"),
+    # numbers that scale or divide float32 gradients: inf (1e308) or 0 (1e-50) there
+    (lambda: fxgrad.normalize(scale=1e308), ValueError, "scale"),
+    (lambda: fxgrad.normalize(eps=1e-50), ValueError, "eps"),
+    (lambda: fxgrad.multi_normalize(eps=1e-50), ValueError, "eps"),
+    (lambda: fxgrad.rescale(alpha=0, multipliers={"a": 1e308}), ValueError, "multipliers"),
+    (lambda: fxgrad.rescale(alpha=1e39), ValueError, "alpha"),
+    (lambda: fxgrad.scale_by_trust_ratio(trust_coefficient=1e39), ValueError, "trust_coefficient"),
+    (lambda: fxgrad.chain(fxgrad.Transform()), TypeError, "chain() argument 0"),  # the base class
+    (lambda: fxgrad.backend().compile(nn.Linear(2, 2), dynamic="x"), TypeError, "dynamic"),
+    (lambda: fxgrad.backend().compile(nn.Linear(2, 2), fullgraph="x"), TypeError, "fullgraph"),
 ]
 
 

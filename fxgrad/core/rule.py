@@ -240,7 +240,7 @@ class Route:
 
 def check_transform(argument: str, value: Any) -> Transform:
     """``value`` if it is a transform; ``TypeError`` naming ``argument`` otherwise."""
-    if not isinstance(value, Transform):
+    if not isinstance(value, Transform) or type(value).routes is Transform.routes:  # the base class itself
         raise TypeError(
             f"{argument} must be an fxgrad transform (e.g. fxgrad.clip_by_norm(1.0)), "
             f"got {value!r} ({type(value).__name__})"

@@ -10,6 +10,12 @@ import math
 import numbers
 from typing import Any
 
+import torch
+
+# The factories' finite numbers scale or divide float32 on the device, where they must stay
+# finite and nonzero: normalize(scale=1e308) was inf there, normalize(eps=1e-50) was 0.
+FLOAT32 = torch.finfo(torch.float32)
+
 
 def real_number(name: str, value: Any) -> float:
     """``value`` as a float; ``TypeError`` for bools, strings, tensors, ..."""
@@ -25,19 +31,23 @@ def real_number(name: str, value: Any) -> float:
 
 
 def positive(name: str, value: Any, *, allow_inf: bool = True) -> float:
-    """A number > 0 (``inf`` allowed unless ``allow_inf=False``)."""
+    """A number > 0: ``inf`` too, or with ``allow_inf=False`` a normal float32 number."""
     result = real_number(name, value)
-    if result <= 0 or (not allow_inf and math.isinf(result)):
-        bound = "a positive finite number" if not allow_inf else "a positive number"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    if allow_inf and result <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if not allow_inf and not FLOAT32.tiny <= result <= FLOAT32.max:
+        raise ValueError(
+            f"{name} must be a positive finite number, from {FLOAT32.tiny:.4g} to {FLOAT32.max:.4g} "
+            f"(float32 holds it), got {value!r}"
+        )
     return result
 
 
 def non_negative(name: str, value: Any) -> float:
-    """A finite number >= 0."""
+    """A finite number >= 0, at most float32's largest."""
     result = real_number(name, value)
-    if result < 0 or math.isinf(result):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if not 0 <= result <= FLOAT32.max:
+        raise ValueError(f"{name} must be a finite number >= 0, at most {FLOAT32.max:.4g} (float32's), got {value!r}")
     return result
 
 

@@ -532,6 +532,10 @@ class Backend:
             raise ValueError(f"mode= and options= configure Inductor; this backend has compiler={self.compiler!r}")
         if not isinstance(in_place, bool):
             raise TypeError(f"in_place must be True or False, got {in_place!r}")
+        if not isinstance(compile_kwargs.get("fullgraph", False), bool):
+            raise TypeError(f"fullgraph must be True or False, got {compile_kwargs['fullgraph']!r}")
+        if compile_kwargs.get("dynamic") not in (None, True, False):
+            raise TypeError(f"dynamic must be None, True or False, got {compile_kwargs['dynamic']!r}")
         inner = _compat.unwrap_model(model)  # layers are named in the model inside DataParallel or DDP
         self._adopt(inner)
         if in_place:

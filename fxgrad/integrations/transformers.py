@@ -232,7 +232,7 @@ def prepare(
                 args.max_grad_norm = 0.0
             callback.check(args, model)  # compiled in place, it keeps its forward's signature
         compiled = backend.compile(model, in_place=True, **compile_kwargs)
-    except (TypeError, ValueError):
+    except BaseException:
         if args is not None:
             args.max_grad_norm = before
         raise
