@@ -99,6 +99,15 @@ class Disabled(nn.Linear):
         return super().forward(x)
 
 
+class FrozenBody(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16).requires_grad_(False), Disabled(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
 class Leaves(torch.fx.Tracer):
     def is_leaf_module(self, module, name):
         return True
@@ -120,6 +129,45 @@ def test_layers_all_under_compiler_disable_are_reported(kind, how):
     name = type(model).__name__
     with pytest.raises(fxgrad.CoverageError, match=f"(?s)no graph of {name} reached the backend.*compiler.disable"):
         train(model, compiled)
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "backend.compile"])
+def test_a_frozen_body_with_its_trained_head_disabled_is_reported(how):
+    """Dynamo compiles the frozen body, a graph that holds parameters and trains none, and runs the
+    trained head under ``torch.compiler.disable``: the policy does nothing. ``backend.compile``'s
+    per-forward check took the body's graph for a trained one (silent)."""
+    model = FrozenBody()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.01), compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend) if how == "torch.compile" else backend.compile(model)
+    with pytest.raises(fxgrad.CoverageError, match="(?s)no graph of FrozenBody reached the backend.*frozen layers"):
+        train(model, compiled)
+
+
+def test_parameters_frozen_around_a_forward_are_no_eager_forward():
+    """A GAN's generator step that freezes the discriminator for its forward only: the graph,
+    compiled frozen, trains nothing, and no gradient of the discriminator is missed."""
+    generator, discriminator = nn.Linear(8, 8), sequential()
+    compiled = fxgrad.backend(fxgrad.clip_by_global_norm(0.01), compiler="aot_eager").compile(discriminator)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        for _ in range(2):
+            discriminator.requires_grad_(False)
+            out = compiled(generator(torch.randn(4, 8)))
+            discriminator.requires_grad_(True)
+            out.sum().backward()
+        train(discriminator, compiled)
+
+
+def test_a_second_backends_plain_compile_leaves_the_bypass_check():
+    """Another backend's ``torch.compile`` of the model, unused: the first one's per-forward
+    watch still reports a backward of the original model (not only its own recompile, as
+    ``fabric.setup`` makes, hands the model to the plain path's checks)."""
+    model = sequential()
+    compiled = fxgrad.backend(fxgrad.clip_by_norm(0.01), compiler="aot_eager").compile(model)
+    torch.compile(model, backend=fxgrad.backend(fxgrad.monitor(), compiler="aot_eager"))
+    train(model, compiled)
+    with pytest.warns(fxgrad.CoverageWarning, match="without passing through a forward of the compiled Sequential"):
+        train(model, model)
 
 
 def test_a_no_grad_functional_call_first_is_no_eager_forward():

@@ -169,7 +169,7 @@ class Backend:
         self.registry = GraphRegistry()
         self._models: list[weakref.ref] = []  # models handed to torch.compile with it, or to step()
         self._graph_runs = 0  # calls of compiled forwards
-        self._parameter_runs = 0  # ... of those that take parameters (a layer's graph, not a ReLU's alone)
+        self._training_runs = 0  # ... of those that train parameters (a layer's graph, not a ReLU's or a frozen one's)
         self._backwards = 0  # backward passes through its graphs
         # graph scope, folded: the latest backward pass through them (see _note_pass)
         self._last_pass: tuple[int | None, int, bool, frozenset[int]] = (None, 0, False, frozenset())
@@ -336,9 +336,9 @@ class Backend:
             if not step_scope and graph.params and scope == "step":
                 raise CoverageError(SCOPE_CHANGED)
             self._graph_runs += 1
-            # lets compile() see forwards that ran no layer's graph (functional_call's tensors stand in for
-            # parameters; under no_grad, where no backward follows, they are not recorded)
-            self._parameter_runs += bool(graph.params or graph.stand_ins or not torch.is_grad_enabled())
+            # lets compile() see forwards whose trained layers all ran eagerly (functional_call's tensors
+            # stand in for parameters)
+            self._training_runs += bool(graph.trains or graph.stand_ins)
             graph.last_run = self._graph_runs  # which graphs ran in one forward (registry.parts_of_same_forward)
             if graph.params and not graph.bound_to(args):
                 self._rebind(graph, args)
@@ -547,7 +547,7 @@ class Backend:
         if self._coverage is not None:
             self._watched.add(inner)
             in_graph = lambda: self.current_scope() == "graph"  # noqa: E731
-            watch = ForwardWatch(inner, self._coverage, lambda: self._parameter_runs, in_graph, self._note_summed)
+            watch = ForwardWatch(inner, self._coverage, lambda: self._training_runs, in_graph, self._note_summed)
             watch.install(compiled)
         return model if in_place else compiled
 

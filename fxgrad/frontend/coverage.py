@@ -424,8 +424,8 @@ class CoverageCheck:
         elif first:
             cause = (
                 " (Dynamo runs a frame eagerly when it cannot trace it or it is under torch.compiler.disable, "
-                "which the layers may be while the code between them compiles to graphs without parameters, "
-                "and when the frame's code was "
+                "which the trained layers may be while the code between them, or frozen layers, compile to "
+                "graphs that train no parameter, and when the frame's code was "
                 "compiled torch._dynamo.config.recompile_limit times already, which code that many models "
                 "share reaches, e.g. a decorator's wrapper around forward as in transformers, or that "
                 "every compile of the same model class with another backend shares; Dynamo then logs 'hit "

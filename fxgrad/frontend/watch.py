@@ -23,7 +23,7 @@ Dynamo, which would otherwise trace each hook as a frame of its own with the bac
 take its bookkeeping for graphs of the model). Once per function, not per hook: making one
 costs about 37 us.
 
-    runs = lambda: backend._parameter_runs              # calls of its compiled forwards that take parameters
+    runs = lambda: backend._training_runs               # calls of its compiled forwards that train parameters
     in_graph = lambda: backend.current_scope() == "graph"
     summed = lambda param, message: ...                # reported at the optimizer's step
     ForwardWatch(model, coverage, runs, in_graph, summed).install(torch.compile(model, backend=backend))
@@ -277,9 +277,9 @@ class _Probe:
 class ForwardWatch:
     """The per-forward checks of one compiled model.
 
-    ``graph_runs()`` counts calls of the backend's compiled forwards that take parameters (a
-    forward whose layers all run under ``torch.compiler.disable`` compiles the code between
-    them, which holds none, and the policy does nothing);
+    ``graph_runs()`` counts calls of the backend's compiled forwards that train parameters: a
+    forward whose trained layers all run under ``torch.compiler.disable`` compiles the code
+    between them (a ReLU's, or frozen layers'), and the policy does nothing;
     ``in_graph()`` tells whether the policy runs in the graph (``scope``).
     """
 
@@ -345,13 +345,16 @@ class ForwardWatch:
         # said at once (a model Dynamo never compiles, an LSTM); a later one when a backward
         # reaches its outputs: a forward nobody backpropagates (validation under the
         # set_stance("force_eager") stance, say) leaves the policy nothing to miss.
-        eager = self.graph_runs() == self._runs_before and self.in_graph()
+        # A forward under no_grad (validation, a meta-learning inner pass) is left out: no backward
+        # follows, and its graphs train nothing.
+        if not torch.is_grad_enabled() or not self.in_graph():
+            return
+        # parameters frozen around the forward (a GAN's discriminator in the generator's step) get no gradient
+        eager = self.graph_runs() == self._runs_before and any(p.requires_grad for p in self.model.parameters())
         stance = _compat.compiler_stance() if eager else None  # the cause, as at this forward
         first, self._first = self._first, False
         if eager and first:
             self.coverage.ran_eagerly(self.model, True, stance=stance)
-        if not torch.is_grad_enabled() or not self.in_graph():
-            return
         self._follow_probes()
         found = _compat.tensors_in(output)
         outputs = [t for t in found if t.grad_fn is not None]
