@@ -332,10 +332,14 @@ def test_fabric_setup_of_a_watched_model_keeps_the_checks():
         _fabric_steps(fabric, model, optimizer, micro=2)
 
 
-@pytest.mark.parametrize("order", ["compile, setup", "setup, compile"])
+@pytest.mark.parametrize("order", ["compile, setup", "setup, compile", "backend.compile, setup", "explain, setup"])
 def test_fabric_layers_are_named_in_the_model(order):
     """Layer names, and so routing keys, statistics and checkpoint keys, are the model's in
-    either order: Fabric's ``_forward_module.`` is dropped, as DDP's ``module.`` is."""
+    either order: Fabric's ``_forward_module.`` is dropped, as DDP's ``module.`` is. With the
+    module ``backend.compile`` returned kept alive, its per-forward watch, which Fabric's own
+    compile leaves behind, took every backward for one that bypassed it (warned, exact). An
+    ``explain`` of that module before ``setup`` left its own backend in the arguments Fabric
+    compiles the model again with (Lightning keeps them on the model): no policy ran."""
     policy = fxgrad.chain(fxgrad.monitor(), fxgrad.by_name({"net.2": fxgrad.clip_by_norm(0.05)}))
     backend = fxgrad.backend(policy, compiler="aot_eager")
     fabric, model = _fabric(), _Net()
@@ -343,6 +347,11 @@ def test_fabric_layers_are_named_in_the_model(order):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if order == "compile, setup":
         model, optimizer = fabric.setup(torch.compile(model, backend=backend), optimizer)
+    elif order in ("backend.compile, setup", "explain, setup"):
+        compiled = backend.compile(model)
+        if order == "explain, setup":
+            fxgrad.explain(compiled, torch.randn(4, 8), backend=backend)
+        model, optimizer = fabric.setup(compiled, optimizer)
     else:
         model, optimizer = fabric.setup(model, optimizer)
         model = torch.compile(model, backend=backend)

@@ -368,13 +368,18 @@ def _weights_restored(model: nn.Module) -> Iterator[None]:
 
 
 class _restored:
-    """Restore a model's gradients and buffers, the gradients of ``inputs`` (leaf tensors that
-    require grad: the backward writes theirs too), and the RNG state, on exit."""
+    """Restore a model's gradients, buffers and attributes, the gradients of ``inputs`` (leaf
+    tensors that require grad: the backward writes theirs too), and the RNG state, on exit.
+
+    The attributes: Lightning's wrapper of ``torch.compile`` sets ``_compile_kwargs`` on the
+    model, through the compiled module, and ``fabric.setup`` compiles the model again with
+    them: after ``explain``, with its probe backend, not the user's."""
 
     def __init__(self, model: nn.Module, inputs: Any = ()) -> None:
         self.model, self.inputs = model, inputs
 
     def __enter__(self) -> None:
+        self.attributes = dict(vars(self.model))
         self.grads = {p: p.grad for p in self.model.parameters()}
         leaves = (t for t in _compat.tensors_in(self.inputs) if t.is_leaf and t.requires_grad)
         self.grads.update((t, t.grad) for t in leaves if t not in self.grads)
@@ -398,3 +403,7 @@ class _restored:
                 buffer.copy_(saved)
         for p, grad in self.grads.items():
             p.grad = grad
+        attributes = vars(self.model)
+        for name in attributes.keys() - self.attributes.keys():
+            del attributes[name]
+        attributes.update(self.attributes)

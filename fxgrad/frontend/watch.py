@@ -93,12 +93,15 @@ def hook_weakly(param: nn.Parameter, method: Callable[[nn.Parameter], None]) -> 
 class _Shared:
     """What the compiled modules of one model share, whatever their backend or scope."""
 
-    wrappers: list[weakref.ref] = dataclasses.field(default_factory=list)  # from backend.compile, oldest first
+    # oldest first: backend.compile's, or None for a plain torch.compile with a backend (no watch)
+    wrappers: list[weakref.ref | None] = dataclasses.field(default_factory=list)
 
     def newest(self) -> nn.Module | None:
-        """The newest compiled module of the model that still exists."""
-        self.wrappers = [ref for ref in self.wrappers if ref() is not None]
-        return self.wrappers[-1]() if self.wrappers else None
+        """The newest compiled module of the model that still exists (``None``: one that no
+        :class:`ForwardWatch` speaks for)."""
+        self.wrappers = [ref for ref in self.wrappers if ref is None or ref() is not None]
+        newest = self.wrappers[-1] if self.wrappers else None
+        return newest() if newest is not None else None
 
 
 _SHARED: weakref.WeakKeyDictionary[nn.Module, _Shared] = weakref.WeakKeyDictionary()
@@ -124,9 +127,11 @@ class _Reached:
 _REACHED = _Reached()
 
 
-def track_wrapper(model: nn.Module, compiled: nn.Module) -> None:
-    """Record that ``compiled`` is the newest compiled module of ``model``."""
-    _SHARED.setdefault(model, _Shared()).wrappers.append(weakref.ref(compiled))
+def track_wrapper(model: nn.Module, compiled: nn.Module | None) -> None:
+    """Record that ``compiled`` is the newest compiled module of ``model``; ``None``: the model
+    was compiled again with plain ``torch.compile`` and a backend of fxgrad's (``fabric.setup``
+    of a module ``backend.compile`` returned does), whose checks are the plain path's."""
+    _SHARED.setdefault(model, _Shared()).wrappers.append(None if compiled is None else weakref.ref(compiled))
 
 
 def untrack_wrapper(model: nn.Module, compiled: nn.Module) -> None:
@@ -135,7 +140,7 @@ def untrack_wrapper(model: nn.Module, compiled: nn.Module) -> None:
     watch speaks for it (a later eager backward would be reported as bypassing it)."""
     shared = _SHARED.get(model)
     if shared is not None:
-        shared.wrappers = [ref for ref in shared.wrappers if ref() is not compiled]
+        shared.wrappers = [ref for ref in shared.wrappers if ref is None or ref() is not compiled]
 
 
 class GradWrites:
