@@ -1,7 +1,9 @@
 """``fxgrad.explain`` reports per-layer decisions and leaves the model as it was."""
 
+import copy
 import gc
 import types
+import weakref
 
 import models
 import pytest
@@ -361,3 +363,21 @@ def test_a_layer_whose_output_misses_the_loss_is_shown_without_a_gradient_not_as
     actions = {row.name: row.action for row in report.layers}
     assert actions["fc2"].startswith("no gradient: a graph holds it, and its output does not reach the loss")
     assert actions["fc"] == "clip_by_global_norm(max_norm=1.0)"
+
+
+@pytest.mark.parametrize("folded", [False, True])
+def test_explain_keeps_no_model_it_explained(folded):
+    """Dynamo keeps explain's own backend until ``torch._dynamo.reset()``: in step scope its
+    walk of the parameters and its step program (which read the weights) kept every model it
+    explained alive, a copy explained every few steps all of them (sweep of 2026-12-06)."""
+    policy = fxgrad.chain(fxgrad.monitor(), fxgrad.rescale(alpha=0.5), fxgrad.clip_by_norm(0.1))
+    backend = fxgrad.backend(policy, scope="step", compiler="aot_eager")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    if folded:
+        backend.fold(torch.optim.AdamW(model.parameters(), fused=True))
+    explained = copy.deepcopy(model)
+    weight = weakref.ref(explained[0].weight)
+    fxgrad.explain(explained, torch.randn(4, 8), backend=backend)
+    del explained
+    gc.collect()
+    assert weight() is None

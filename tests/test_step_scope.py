@@ -858,6 +858,26 @@ def test_a_freed_model_is_freed_and_left_out_of_the_next_models_step():
     assert weight() is None  # dropped at the next step
 
 
+@pytest.mark.parametrize("folded", [False, True])
+def test_a_sweeps_earlier_trials_are_freed_at_the_next_trials_step(folded):
+    """A backend per trial: torch._dynamo keeps each, and what step scope kept for its model
+    (the walk of the parameters) kept every trial's weights and gradients, since only that
+    backend's own next step dropped it. The next optimizer step of the process does now."""
+    weights = []
+    for _ in range(3):
+        model = Scaled()
+        backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.05), compiler="aot_eager", scope="step")
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True) if folded else torch.optim.SGD(model.parameters())
+        if folded:
+            backend.fold(optimizer)
+        backend.compile(model)(torch.randn(4, 8)).square().sum().backward()
+        optimizer.step()
+        weights.append(weakref.ref(model.fc.weight))
+        del model, optimizer, backend
+        gc.collect()
+    assert [weight() is None for weight in weights] == [True, True, False]  # the last until the next step
+
+
 def test_a_model_collected_in_the_middle_of_a_step_leaves_the_step_alone(monkeypatch):
     """A model compiled in place (a reference cycle) is freed by whichever collection comes
     next, perhaps while a step program reads the weights it was given (a KeyError before)."""

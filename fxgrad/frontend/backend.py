@@ -227,6 +227,7 @@ class Backend:
                 self.scaler,
                 self._before_update,
                 in_step,
+                self._drop_kept,
                 lambda: self._graph_runs,
             )
             if scope == "step":
@@ -892,11 +893,14 @@ class Backend:
 
     def retire(self) -> None:
         """Act on no later ``optimizer.step()``: ``explain``'s own backend, done with its one
-        backward, which Dynamo's cache entries may keep alive (its step-scope hook would run
-        the policy a second time on every later step of the model)."""
+        backward, which Dynamo keeps alive until ``torch._dynamo.reset()`` (its step-scope hook
+        would run the policy a second time on every later step of the model). Its step
+        programs go: each call of ``explain`` kept one, and the weights it read (a model copy's)."""
         for owner in (self._step, self._step_check, self._update_factors):
             if owner is not None:
                 remove_optimizer_hooks(owner)
+        self._forget_models()
+        self._programs.drop()
 
     def _meet(self, model: nn.Module, at_step: bool = False) -> None:
         """Check a model the first time this backend compiles it or runs the policy on it:
@@ -959,20 +963,30 @@ class Backend:
     def _idle(self) -> bool:
         """No model of this backend lives, and no graph holds parameters of no model: a sweep's
         earlier trial, whose backend torch._dynamo keeps. Its optimizer-step hooks then remove
-        themselves rather than walk every optimizer's parameters at every step of the process;
-        :meth:`_track` arms them again for a new model."""
-        return not self._tracked and not self._loose
+        themselves rather than walk every optimizer's parameters at every step of the process,
+        and drop what it kept for its models; :meth:`_track` arms them again for a new model."""
+        idle = not self._tracked and not self._loose
+        if idle:
+            self._drop_kept()
+        return idle
 
     def _drop_kept(self) -> None:
         """Where no step runs (the garbage collector can free a model in the middle of one,
-        while a step program reads the weights it was given)."""
+        while a step program reads the weights it was given): at this backend's next step, or
+        at the next optimizer step of the process once its models are gone (a sweep's next
+        trial; the walks of the parameters hold them, and their gradients)."""
         if self._models_died:
             self._models_died = False
-            if self._step is not None:
-                self._step.forget()
-            self._programs.forget()
-            if self._update_factors is not None:
-                self._update_factors.forget()
+            self._forget_models()
+
+    def _forget_models(self) -> None:
+        """Drop what step scope and the update factors keep from step to step for the models
+        (walks of their parameters, routes), which holds the parameters."""
+        if self._step is not None:
+            self._step.forget()
+        self._programs.forget()
+        if self._update_factors is not None:
+            self._update_factors.forget()
 
     def _layers_stepped_by(self, optimizer: torch.optim.Optimizer, among: set[int] | None = None) -> list[Layer]:
         """The layers of this backend's models with parameters ``optimizer`` steps (``among``:

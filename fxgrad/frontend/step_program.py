@@ -84,6 +84,11 @@ class StepPrograms:
         """Drop the last step's parameters and routes (the programs stay)."""
         self._routes, self._weights = None, (None, {})
 
+    def drop(self) -> None:
+        """Drop the programs too, each with its compiled code (``inserted`` stays)."""
+        self.forget()
+        self._programs, self._last, self._last_routing = {}, (None, lambda grads: False, None), (None, -1)
+
     def routes(
         self,
         models: Sequence[tuple[nn.Module, str]],

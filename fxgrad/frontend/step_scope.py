@@ -263,7 +263,8 @@ class StepScope:
     optimizers that step these models' parameters while ``active()`` (``scope="auto"``
     is step scope only in a data-parallel job), unless :meth:`apply` already ran on the
     current gradients, then calls ``after(optimizer)`` (the optimizer
-    fold hands its factor over there).
+    fold hands its factor over there). At a step that finds none of its models alive it
+    unhooks itself and calls ``gone()``: what the backend keeps for them can go then.
     """
 
     def __init__(
@@ -273,9 +274,11 @@ class StepScope:
         scaler: Any,
         after: Callable[[torch.optim.Optimizer], None],
         active: Callable[[], bool],
+        gone: Callable[[], None],
         forwards: Callable[[], int] = lambda: 0,
     ) -> None:
         self.models, self.run, self.scaler, self.after, self.active = models, run, scaler, after, active
+        self.gone = gone
         self.forwards = forwards  # counts the calls of the backend's compiled forwards
         self._seen = SeenGrads()
         # after backend.step(): the forwards then, the parameters, their gradients then (weakly) and versions
@@ -324,6 +327,7 @@ class StepScope:
         if not models:  # its models are gone (torch._dynamo keeps the backend): unhook until arm()
             remove_optimizer_hooks(self)
             self._armed = False
+            self.gone()
             return
         if len(models) > 1:  # the models this optimizer steps: a GAN's generator, or its discriminator
             stepped = stepped_ids(optimizer)
@@ -363,7 +367,7 @@ class StepScope:
     def forget(self) -> None:
         """Drop the kept walks, a model having died (what ran on which gradients stays known;
         ``params`` a caller walked stay valid)."""
-        self._walks, self._ids = {}, ((), frozenset())
+        self._walks, self._ids, self._by_hand = {}, ((), frozenset()), None
         self._seen.forget()
 
     def parameters(self, models: list[tuple[nn.Module, str]]) -> tuple[nn.Parameter, ...]:
