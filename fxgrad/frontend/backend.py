@@ -174,7 +174,6 @@ class Backend:
         # graph scope, folded: the latest backward pass through them (see _note_pass)
         self._last_pass: tuple[int | None, int, bool, frozenset[int]] = (None, 0, False, frozenset())
         self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models compile() watches per forward
-        self._compiling: nn.Module | None = None  # the model compile() hands torch.compile now
         # Gradients summed over backward passes or forwards in graph scope (a parameter per graph
         # call, or per model that compile() watches), each with the warning the next step of an
         # optimizer that steps it gives; and the probes' writes, on the plain path.
@@ -540,15 +539,11 @@ class Backend:
             raise TypeError(f"dynamic must be None, True or False, got {compile_kwargs['dynamic']!r}")
         inner = _compat.unwrap_model(model)  # layers are named in the model inside DataParallel or DDP
         self._adopt(inner)
-        self._compiling = inner
-        try:
-            if in_place:
-                model.compile(backend=self, **compile_kwargs)
-                compiled = _compat.wrap_compiled_call(model, WatchedCall)
-            else:
-                compiled = torch.compile(model, backend=self, **compile_kwargs)
-        finally:
-            self._compiling = None
+        if in_place:
+            model.compile(backend=self, **compile_kwargs)
+            compiled = _compat.wrap_compiled_call(model, WatchedCall)
+        else:
+            compiled = torch.compile(model, backend=self, **compile_kwargs)
         track_wrapper(inner, compiled)
         if self._coverage is not None:
             self._watched.add(inner)
@@ -572,8 +567,10 @@ class Backend:
         """
         target = _compat.model_being_compiled()
         module = _compat.unwrap_model(getattr(target, "__self__", target))  # Module.compile: its bound _call_impl
-        if isinstance(module, nn.Module) and module is not self._compiling:
-            if module in self._watched:  # compiled again without the watch (fabric.setup does): the plain path's checks
+        if isinstance(module, nn.Module):
+            # compiled again without the watch (fabric.setup does): the plain path's checks; in
+            # compile() the watch comes after, the newest
+            if module in self._watched:
                 self._watched.discard(module)
                 track_wrapper(module, None)
             self._adopt(module)
