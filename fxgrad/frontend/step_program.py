@@ -59,6 +59,11 @@ from fxgrad.runtime.state import CheckpointMismatch, Group, StateStore, group_la
 OWNER_GRAD = operator.attrgetter("tensor.grad")  # a C getter, see fxgrad.core.layers.GRAD
 
 
+# StepPrograms' last program (variant, layout check, program) and last routes (routes, their int): none yet
+_NO_LAST: tuple[Any, Callable[[Sequence[torch.Tensor]], bool], Any] = (None, lambda grads: False, None)
+_NO_ROUTING: tuple[Any, int] = (None, -1)
+
+
 class StepPrograms:
     """The compiled step programs of one backend, by layout."""
 
@@ -71,14 +76,10 @@ class StepPrograms:
         self._told_eager: set[str] = set()  # the reasons some gradients run eagerly that were given
         # the parameters programs read weights of, by name (kept with the owners they came from)
         self._weights: tuple[Sequence[Owner] | None, dict[str, torch.Tensor]] = (None, {})
-        self._last: tuple[Any, Callable[[Sequence[torch.Tensor]], bool], _Built | None] = (
-            None,
-            lambda grads: False,
-            None,
-        )
+        self._last: tuple[Any, Callable[[Sequence[torch.Tensor]], bool], _Built | None] = _NO_LAST
         self._routes: tuple[Sequence, tuple, Any] | None = None  # the last step's parameters, key and routes
         self._routings: dict[tuple, int] = {}  # routes and parameter names -> a small int, for program keys
-        self._last_routing: tuple[Any, int] = (None, -1)  # the last routes seen, and their int
+        self._last_routing: tuple[Any, int] = _NO_ROUTING  # the last routes seen, and their int
 
     def forget(self) -> None:
         """Drop the last step's parameters and routes (the programs stay)."""
@@ -87,7 +88,7 @@ class StepPrograms:
     def drop(self) -> None:
         """Drop the programs too, each with its compiled code (``inserted`` stays)."""
         self.forget()
-        self._programs, self._last, self._last_routing = {}, (None, lambda grads: False, None), (None, -1)
+        self._programs, self._last, self._last_routing = {}, _NO_LAST, _NO_ROUTING
 
     def routes(
         self,
