@@ -73,7 +73,7 @@ __all__ = [
     "cache_keyed",
     "compile_id",
     "current_frame_scope",
-    "model_being_compiled",
+    "compile_call",
     "detect_fake_mode",
     "new_fake_mode",
     "fake_of",
@@ -457,21 +457,22 @@ def compiled_call_set_aside(model: torch.nn.Module) -> Iterator[None]:
         model._compiled_call_impl = call
 
 
-def model_being_compiled() -> Any:
-    """The ``model`` argument of the ``torch.compile(model, ...)`` call on the stack, if any.
+def compile_call() -> tuple[Any, bool]:
+    """The ``model`` and ``disable`` arguments of the ``torch.compile(model, ...)`` call on the
+    stack, or ``(None, False)``.
 
     ``torch.compile`` reads a callable backend's ``__name__`` once, while it wraps
-    the backend (``_TorchCompileWrapper``); a backend calls this from there to
-    learn what it compiles: a module, ``Module.compile``'s bound ``_call_impl``,
-    another bound method or a function (docs/design.md, fact 14).
+    the backend (``_TorchCompileWrapper``; with ``disable=True`` too); a backend calls this
+    from there to learn what it compiles: a module, ``Module.compile``'s bound
+    ``_call_impl``, another bound method or a function (docs/design.md, fact 14).
     """
     frame = sys._getframe(1)
     while frame is not None:  # torch's own function, by its file: Lightning's Trainer wraps torch.compile
         code = frame.f_code
         if code.co_name == "compile" and code.co_filename == torch.__file__:
-            return frame.f_locals.get("model")
+            return frame.f_locals.get("model"), bool(frame.f_locals.get("disable"))
         frame = frame.f_back
-    return None
+    return None, False
 
 
 def source_chain(placeholder: torch.fx.Node) -> list[str]:

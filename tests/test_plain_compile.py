@@ -5,6 +5,7 @@ users and frameworks write them, without ``backend.compile``. Where Dynamo leave
 policy nothing to act on, fxgrad says so at the latest at ``optimizer.step()``.
 """
 
+import contextlib
 import copy
 import gc
 import warnings
@@ -91,6 +92,55 @@ def test_module_compile_of_a_sequential_is_reported():
     model.compile(backend=backend)
     with pytest.warns(fxgrad.CoverageWarning, match="(?s)no graph of Sequential.*torch.compile\\(model, backend"):
         train(model, model)
+
+
+@pytest.mark.parametrize("cause", ["disable=True", "set_stance", "suppress_errors"])
+def test_a_sequential_compiled_whole_and_run_eagerly_is_reported_with_its_cause(cause):
+    """The cause the user set is named, and no advice to do what they did: the report named
+    generic causes for ``disable=True``, and a graph the backend had failed to compile under
+    ``suppress_errors`` as "no graph reached the backend"; each told a torch.compile'd
+    ``nn.Sequential`` to use ``torch.compile`` (sweep 51a)."""
+    model = sequential()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.01), compiler="aot_eager")
+    setting = contextlib.nullcontext()
+    if cause == "disable=True":
+        compiled = torch.compile(model, backend=backend, disable=True)
+        said = r"reached the backend: torch.compile ran it eagerly \(torch.compile\(\.\.\., disable=True\)"
+    elif cause == "set_stance":
+        compiled = torch.compile(model, backend=backend)
+        setting = torch.compiler.set_stance("force_eager")
+        said = r"torch.compile ran it eagerly \(torch.compiler.set_stance\('force_eager'\) is in effect\)"
+    else:  # the backend refuses Inductor's options under aot_eager
+        compiled = torch.compile(model, backend=backend, options={"freezing": True})
+        setting = _compat.dynamo_config().patch(suppress_errors=True)
+        said = r"this backend failed to compile Sequential \(ValueError: mode= and options=.*suppress_errors=True"
+    with setting, pytest.raises(fxgrad.CoverageError, match=said) as raised:
+        train(model, compiled)
+    assert "torch.nn's own code" not in str(raised.value)
+
+
+def test_symbolic_gradient_shapes_name_the_setting_and_step_scope():
+    """``prefer_deferred_runtime_asserts_over_guards`` with ``dynamic=True`` leaves a weight's
+    gradient a symbolic size (the input's feature size); graph scope named an internal node
+    (sweep 51a). Step scope reads ``.grad`` and is exact."""
+    deferred = _compat.dynamo_config().patch(prefer_deferred_runtime_asserts_over_guards=True)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.01), compiler="aot_eager", scope="graph")
+    said = "fxgrad: a gradient of '0' has a symbolic shape .*prefer_deferred.*scope='step'"
+    with deferred, pytest.raises(NotImplementedError, match=said):
+        torch.compile(sequential(), backend=backend, dynamic=True)(torch.randn(4, 8)).sum().backward()
+    model = sequential()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.01), compiler="aot_eager", scope="step")
+    with deferred:
+        assert clipped_like_eager(model, torch.compile(model, backend=backend, dynamic=True), 0.01) < 1e-6
+
+
+def test_parameters_installed_as_graph_attributes_name_the_setting():
+    """``install_free_tensors=True`` makes parameters graph attributes; the error named
+    ``inline_inbuilt_nn_modules``, always on in torch 2.13, and not the setting (sweep 51a)."""
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.01), compiler="aot_eager", scope="step")
+    installed = _compat.dynamo_config().patch(install_free_tensors=True)
+    with installed, pytest.raises(Exception, match="install_free_tensors"):
+        torch.compile(sequential(), backend=backend)(torch.randn(4, 8))
 
 
 class Disabled(nn.Linear):

@@ -276,6 +276,14 @@ class Backend:
         self, gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None
     ) -> Any:
         """Compile one Dynamo graph; ``mode`` and ``options`` are ``torch.compile``'s, for Inductor."""
+        try:
+            return self._compile(gm, example_inputs, mode, options)
+        except Exception as error:
+            if self._coverage is not None:  # under suppress_errors Dynamo runs the frame eagerly: the cause
+                self._coverage.compile_error = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            raise
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list, mode: str | None, options: dict | None) -> Any:
         patches = _compat.inductor_config_patches(mode, options)
         graph = capture(gm, example_inputs, self.registry.roots)
         self.registry.add(graph)
@@ -565,9 +573,12 @@ class Backend:
         targets got its gradient outside the backend's graphs
         (:mod:`fxgrad.frontend.step_check`).
         """
-        target = _compat.model_being_compiled()
+        target, disabled = _compat.compile_call()
         module = _compat.unwrap_model(getattr(target, "__self__", target))  # Module.compile: its bound _call_impl
         if isinstance(module, nn.Module):
+            if self._coverage is not None:  # for the report of a model that runs eagerly
+                how = "disabled" if disabled else "module" if module is target else "other"
+                self._coverage.compiled_as[module] = how
             # compiled again without the watch (fabric.setup does): the plain path's checks; in
             # compile() the watch comes after, the newest
             if module in self._watched:

@@ -315,6 +315,11 @@ class CoverageCheck:
         # parameters in no graph while the rest of their layer is in one: unused, or run eagerly (see unplaced_used)
         self.unplaced: dict[int, tuple[weakref.ref, str]] = {}
         self._unpoliced: dict[int, tuple[weakref.ref, tuple]] = {}  # by id: see note_compiled_autograd
+        # how each model was compiled: "module" (torch.compile(model)), "other" (Module.compile, a DDP
+        # wrapper) or "disabled" (torch.compile(..., disable=True)); and the last error a compile of this
+        # backend raised, which torch._dynamo.config.suppress_errors turns into an eager frame
+        self.compiled_as: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self.compile_error: str | None = None
 
     def graph(self, registry: GraphRegistry, graph: CapturedGraph, plan: GraphPlan, has_grad: set[int]) -> None:
         """Compare ``plan`` with what the policy targets across the model; warn or raise."""
@@ -410,43 +415,64 @@ class CoverageCheck:
     def ran_eagerly(self, model: nn.Module, first: bool, hint: str = "", stance: str | None = None) -> None:
         """A forward of ``model`` ran no graph of this backend: the policy did nothing.
         ``stance``: the ``torch.compiler.set_stance`` in effect at that forward, if any
-        (:func:`fxgrad._compat.compiler_stance`), the cause then named."""
+        (:func:`fxgrad._compat.compiler_stance`), the cause then named, as are
+        ``torch.compile(..., disable=True)`` and a compile of this backend that failed under
+        ``suppress_errors``."""
         if not any(p.requires_grad for p in model.parameters()):
             return
         layers = build_layers(model_rows(model, "")[0], (), self.skip)
         name = type(model).__name__
         what = f"no graph of {name} reached the backend" if first else f"a forward of {name} ran no compiled graph"
         rnn = rnn_hint(layers)
-        if stance is not None:  # the user's own choice
-            rnn, cause = "", f" (torch.compiler.set_stance({stance}) is in effect)"
-        elif rnn:  # the likeliest cause, which the hint gives alone
-            cause = ""
-        elif first:
-            cause = (
-                " (Dynamo runs a frame eagerly when it cannot trace it or it is under torch.compiler.disable, "
-                "which the trained layers may be while the code between them, or frozen layers, compile to "
-                "graphs that train no parameter, and when the frame's code was "
-                "compiled torch._dynamo.config.recompile_limit times already, which code that many models "
-                "share reaches, e.g. a decorator's wrapper around forward as in transformers, or that "
-                "every compile of the same model class with another backend shares; Dynamo then logs 'hit "
-                "config.recompile_limit'. backend.compile(model) gives the compiled model its own cache, "
-                "as torch.compile(..., isolate_recompiles=True) does)"
+        chosen = self.chosen_cause(model, stance)
+        if chosen is not None:  # the user's own choice
+            rnn, why = "", f"{what}: torch.compile ran it eagerly ({chosen})"
+        elif first and self.compile_error is not None and _compat.dynamo_config().suppress_errors:
+            rnn, why = (
+                "",
+                (
+                    f"this backend failed to compile {name} ({self.compile_error}), and "
+                    "torch._dynamo.config.suppress_errors=True ran it eagerly"
+                ),
             )
         else:
-            cause = (
-                ", as Dynamo does once a frame was recompiled torch._dynamo.config.recompile_limit times "
-                "(e.g. once per new input shape; mark the dimension dynamic or raise the limit), and with "
-                "code under torch.compiler.disable"
+            if rnn:  # the likeliest cause, which the hint gives alone
+                cause = ""
+            elif first:
+                cause = (
+                    " (Dynamo runs a frame eagerly when it cannot trace it or it is under torch.compiler.disable, "
+                    "which the trained layers may be while the code between them, or frozen layers, compile to "
+                    "graphs that train no parameter, and when the frame's code was "
+                    "compiled torch._dynamo.config.recompile_limit times already, which code that many models "
+                    "share reaches, e.g. a decorator's wrapper around forward as in transformers, or that "
+                    "every compile of the same model class with another backend shares; Dynamo then logs 'hit "
+                    "config.recompile_limit'. backend.compile(model) gives the compiled model its own cache, "
+                    "as torch.compile(..., isolate_recompiles=True) does)"
+                )
+            else:
+                cause = (
+                    ", as Dynamo does once a frame was recompiled torch._dynamo.config.recompile_limit times "
+                    "(e.g. once per new input shape; mark the dimension dynamic or raise the limit), and with "
+                    "code under torch.compiler.disable"
+                )
+            why = (
+                f"{what}: torch.compile ran it eagerly{cause}, or traced it into the graph of an outer model "
+                "compiled with another backend, which compiles it with that backend (compile the outer model "
+                "with this one)"
             )
-        why = (
-            f"{what}: torch.compile ran it eagerly{cause}, or traced it into the graph of an outer model "
-            "compiled with another backend, which compiles it with that backend (compile the outer model "
-            "with this one)"
-        )
         self.report(
             f"fxgrad: {why}, and the policy {self.transform!r} does nothing.{rnn}{hint}",
             fatal=any(route.leaf.reach == "group" for route in self.transform.routes(layers)),
         )
+
+    def chosen_cause(self, model: nn.Module, stance: str | None) -> str | None:
+        """The user's setting that runs ``model`` eagerly, if any: ``stance`` (the
+        ``torch.compiler.set_stance`` in effect at its forward) or ``disable=True``."""
+        if stance is not None:
+            return f"torch.compiler.set_stance({stance}) is in effect"
+        if self.compiled_as.get(model) == "disabled":
+            return "torch.compile(..., disable=True) compiles nothing"
+        return None
 
     def report(self, message: str, fatal: bool) -> None:
         """Raise :class:`CoverageError` when ``fatal`` (a transform reduces across layers) and

@@ -72,7 +72,7 @@ def record_policy(
     scope), not a backward graph."""
     values = [node.meta["val"] for nodes in grads.values() for node in nodes]
     recorder = GraphRecorder(gm, _compat.detect_fake_mode(values), _compat.inductor_decompositions())
-    tensors = {name: [recorder.bind(node) for node in nodes] for name, nodes in grads.items()}
+    tensors = {name: [recorder.bind(node, name) for node in nodes] for name, nodes in grads.items()}
     with recorder.recording():
         folded = run_policy(
             routes,

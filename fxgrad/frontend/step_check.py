@@ -518,14 +518,15 @@ class StepCheck:
                 continue
             if not any(self.registry.holds(owner.tensor) for owner in owners.values()):
                 stand_ins = any(graph.stand_ins for graph in self.registry.current())
-                hint = STAND_IN_HINT if stand_ins else self._hint(model)
-                self.coverage.ran_eagerly(model, True, hint, _compat.compiler_stance())
+                stance = _compat.compiler_stance()
+                hint = STAND_IN_HINT if stand_ins else self._hint(model, stance)
+                self.coverage.ran_eagerly(model, True, hint, stance)
                 continue
             names = ", ".join(dict.fromkeys(layer.name for layer in left_out))
             self.coverage.report(
                 f"fxgrad: layers of {type(model).__name__} that the policy {self.coverage.transform!r} targets "
                 f"got gradients from no graph of this backend (their forward ran eagerly): {names}."
-                f"{rnn_hint(left_out)}{self._hint(model)}",
+                f"{rnn_hint(left_out)}{self._hint(model, _compat.compiler_stance())}",
                 fatal=any(route.leaf.reach == "group" for route in self.coverage.transform.routes(left_out)),
             )
 
@@ -540,8 +541,10 @@ class StepCheck:
                     fatal=any(route.leaf.reach == "group" for route in self.coverage.transform.routes(layers)),
                 )
 
-    @staticmethod
-    def _hint(model: nn.Module) -> str:
-        if (type(model).forward.__module__ or "").startswith("torch.nn."):  # None: a torch.fx.GraphModule's
+    def _hint(self, model: nn.Module, stance: str | None) -> str:
+        if self.coverage.chosen_cause(model, stance) is not None:  # named in the report
+            return STEP_SCOPE
+        torch_nn = (type(model).forward.__module__ or "").startswith("torch.nn.")  # None: a GraphModule's
+        if torch_nn and self.coverage.compiled_as.get(model) != "module":
             return TORCH_NN_FORWARD.format(model=type(model).__name__) + STEP_SCOPE
         return "\ntorch._dynamo.explain(model)(*args) lists what Dynamo could not compile, and why." + STEP_SCOPE

@@ -199,8 +199,9 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
     grad_mode = _compat.may_record_grad(gm)
     if held and grad_mode:  # not a compiled optimizer.step(), which holds its parameters
         raise NotImplementedError(
-            "fxgrad needs parameters as graph inputs; keep "
-            "torch._dynamo.config.inline_inbuilt_nn_modules = True (the default)"
+            "fxgrad needs the parameters as graph inputs, in either scope (it learns the layers from them), "
+            "and this graph holds them as attributes: leave torch._dynamo.config.install_free_tensors and "
+            "inline_inbuilt_nn_modules at their defaults (False and True)"
         )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):

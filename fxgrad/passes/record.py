@@ -47,6 +47,15 @@ from fxgrad.passes import PREFIX, TAG
 
 aten = torch.ops.aten
 
+SYMBOLIC = (
+    "fxgrad: {what} has a symbolic shape {shape}, where a parameter's gradient has its parameter's static "
+    "shape: the compile left a size symbolic that the parameter's shape fixes "
+    "(torch._dynamo.config.prefer_deferred_runtime_asserts_over_guards=True with dynamic=True does: the check "
+    "that an input's size equals a weight's becomes a runtime assert). Leave dynamic=None (sizes that vary "
+    "become dynamic) or mark the varying dimensions with torch._dynamo.mark_dynamic, or use scope='step', "
+    "which reads .grad"
+)
+
 
 class GraphRecorder(TorchDispatchMode):
     """A dispatch mode that appends every op it sees to ``gm``'s graph."""
@@ -65,11 +74,12 @@ class GraphRecorder(TorchDispatchMode):
         self._templates: dict[tuple, tuple | None] = {}  # see replay
         self._recorded: list[torch.fx.Node] = []
 
-    def bind(self, node: torch.fx.Node) -> torch.Tensor:
-        """The fake tensor standing for ``node`` in recorded code."""
+    def bind(self, node: torch.fx.Node, layer: str | None = None) -> torch.Tensor:
+        """The fake tensor standing for ``node`` (a gradient of ``layer``) in recorded code."""
         value = node.meta["val"]
         if any(not isinstance(size, int) for size in value.shape):
-            raise NotImplementedError(f"{node.name} has a symbolic shape; gradients of parameters are static")
+            what = f"a gradient of {layer!r}" if layer is not None else node.name
+            raise NotImplementedError(SYMBOLIC.format(what=what, shape=tuple(value.shape)))
         self._nodes[id(value)] = node
         return value
 
