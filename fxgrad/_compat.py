@@ -50,6 +50,7 @@ __all__ = [
     "grad_scaler_stepped",
     "grad_scaler_unscaled",
     "optimizer_step_hooks",
+    "initialising_optimizer_state",
     "tensor_version",
     "gradient_version",
     "gradient_versions",
@@ -600,6 +601,24 @@ def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:
 
     own = len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
     return own + len(module._global_optimizer_pre_hooks) + len(module._global_optimizer_post_hooks)
+
+
+def initialising_optimizer_state() -> bool:
+    """Whether ``torch.distributed.checkpoint``'s ``_init_optim_state`` is on the stack: the
+    ``optimizer.step()`` it makes with zero gradients and learning rate 0 to create the state
+    of an optimizer that has none (``get_state_dict``, ``set_state_dict`` and their optimizer
+    variants do, before any training step of a fresh process). No training step: fxgrad's
+    hooks leave it alone."""
+    module = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    if module is None:  # not imported: not on the stack
+        return False
+    code = module._init_optim_state.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def stepping_grad_scaler() -> Any:

@@ -577,6 +577,54 @@ def test_entries_a_checkpoint_lacks_are_reported_as_starting_over(scope):
         optimizer.step()
 
 
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_an_empty_state_loaded_names_the_template_taken_before_the_first_step(scope):
+    """``torch.distributed.checkpoint.load`` fills the keys of the template it is handed; a
+    backend's ``state_dict()`` has none before the first step, so the resume loaded nothing,
+    and the warning guessed "a rule or a layer added since the checkpoint" (sweep 51b)."""
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.autoclip(), compiler="aot_eager", scope=scope)
+    template = backend.state_dict()
+    assert template == {}
+    backend.load_state_dict(template)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    models.loss_of(backend.compile(model)(torch.randn(4, 16))).backward()
+    with pytest.warns(fxgrad.CoverageWarning, match=r"start over: .*the state given was empty.*distributed.checkpoint"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["plain", "folded"])
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_the_step_that_creates_an_optimizers_state_for_a_checkpoint_is_no_training_step(scope, fold):
+    """``torch.distributed.checkpoint``'s ``get_state_dict`` (a checkpointer's template at
+    start-up) and ``set_state_dict`` make an ``optimizer.step()`` on zero gradients with
+    learning rate 0 to create a fresh optimizer's state. Step scope ran the policy on it:
+    autoclip's history took a norm of 0 and its count a step, and the weights ended 1.36 off
+    after six steps, silently (sweep 51b). SGD's first momentum buffer is the same either way."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def train(template):
+        torch.manual_seed(0)
+        model = models.MLP()
+        backend = fxgrad.backend(fxgrad.autoclip(history=5), compiler="aot_eager", scope=scope)
+        compiled = backend.compile(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=fold)
+        if fold:
+            backend.fold(optimizer)
+        if template:
+            get_state_dict(model, optimizer)
+            assert backend.state_dict() == {}
+        for _, x, weight in batches(6, spikes=(3,)):
+            optimizer.zero_grad()
+            (models.loss_of(compiled(x)) * weight).backward()
+            optimizer.step()
+        return dict(model.named_parameters()), backend.state_dict()
+
+    (weights, state), (templated, templated_state) = train(False), train(True)
+    torch.testing.assert_close(templated, weights, rtol=0, atol=0)
+    torch.testing.assert_close(templated_state, state, rtol=0, atol=0)
+
+
 def test_two_backends_never_share_state():
     a = fxgrad.backend(fxgrad.autoclip(), compiler="aot_eager")
     b = fxgrad.backend(fxgrad.autoclip(), compiler="aot_eager")

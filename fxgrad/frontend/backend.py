@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 import torch
 import torch.fx
@@ -124,6 +124,14 @@ DTENSOR_IN_GRAPH = (
     "optimizer.step() (docs/distributed.md, Tensor parallelism)"
 )
 
+EMPTY_LOAD = (
+    "(the state given was empty). backend.state_dict() has no entries until the policy first runs (at the "
+    "first backward in graph scope, the first optimizer.step() in step scope), and "
+    "torch.distributed.checkpoint.load fills only the keys of the state dict it is given: a template "
+    "taken before then loads nothing. Save and load the backend's state with torch.save, or take the "
+    "template after the first step (docs/transforms.md, Checkpoints)."
+)
+
 COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eager_compile}
 SCOPES = ("auto", "graph", "step")
 
@@ -217,7 +225,8 @@ class Backend:
         self._tracked: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # see _track
         self._models_died = False  # ... and one of them died since
         self._loose = False  # a graph holds parameters of no model (see _idle)
-        self._loaded = False  # load_state_dict() ran, and no optimizer step has checked what it placed
+        # load_state_dict() ran, and no optimizer step has checked what it placed: False, or what it got
+        self._loaded: Literal[False, "state", "empty"] = False
         if transform is not None:
             in_step = lambda: self.current_scope() == "step"  # noqa: E731
             self._step = StepScope(
@@ -809,8 +818,8 @@ class Backend:
         if self._coverage is not None and self._coverage.unpoliced:
             self._coverage.refuse_unpoliced(stepped_ids(optimizer), type(optimizer).__name__)
         if self._loaded:
+            self._report_unplaced(self._loaded == "empty")
             self._loaded = False
-            self._report_unplaced()
         self._check_scaler_given(optimizer, first_step=optimizer not in self._first_step_seen)
         if optimizer not in self._first_step_seen:  # checks of the optimizer and the policy, once
             self._first_step_seen.add(optimizer)
@@ -1144,18 +1153,19 @@ class Backend:
             )
         self.store.load_state_dict(state)
         self.store.defer()  # a checkpoint's state has seen steps: a resumed run defers from its first
-        self._loaded = True
+        self._loaded = "state" if state else "empty"
 
-    def _report_unplaced(self) -> None:
+    def _report_unplaced(self, empty: bool) -> None:
         """Warn for loaded keys that no compiled transform took by the first optimizer step after
         the load (a layer renamed: the model wrapped, or its modules moved), and for the policy's
-        state entries the load did not give (a rule or a layer added since the checkpoint)."""
+        state entries the load did not give (a rule or a layer added since the checkpoint; all of
+        them, when the ``empty`` state given was a template taken before the first step)."""
         missing = self.store.not_loaded()
         if missing:
+            why = EMPTY_LOAD if empty else "(a rule or a layer added since the checkpoint?)."
             warn(
                 f"fxgrad: {len(missing)} state entries of the policy {self.transform!r} were not in the state "
-                f"given to load_state_dict(), and start over: {listed(list(map(repr, missing)), 5)} (a rule or a "
-                "layer added since the checkpoint?).",
+                f"given to load_state_dict(), and start over: {listed(list(map(repr, missing)), 5)} {why}",
                 CoverageWarning,
             )
         unplaced = self.store.pending()

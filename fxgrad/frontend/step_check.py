@@ -336,6 +336,11 @@ def after_closure(hook: Callable[[torch.optim.Optimizer], None]) -> Callable[...
     eager = torch.compiler.disable(hook)
 
     def pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if _STATE_INIT:
+            _STATE_INIT.discard(optimizer)  # a step since
+        if not optimizer.state and _compat.initialising_optimizer_state():
+            _STATE_INIT.add(optimizer)  # no training step: no hook of fxgrad's runs, before or after
+            return None
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args: (optimizer, *step's args)
         if not callable(closure):  # none, or another argument of an optimizer's own step()
             eager(optimizer)
@@ -351,6 +356,22 @@ def after_closure(hook: Callable[[torch.optim.Optimizer], None]) -> Callable[...
         return args, {**kwargs, "closure": closure_then_hook}
 
     return torch.compiler.disable(pre_hook)
+
+
+def after_step(hook: Callable[[torch.optim.Optimizer, tuple, dict], None]) -> Callable[..., None]:
+    """An ``optimizer.step()`` post-hook that calls ``hook(optimizer, args, kwargs)``, eagerly,
+    after each step whose pre-hooks :func:`after_closure` ran (not after the step
+    ``torch.distributed.checkpoint`` makes to create an optimizer's state)."""
+
+    def post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not _STATE_INIT or optimizer not in _STATE_INIT:
+            hook(optimizer, args, kwargs)
+
+    return torch.compiler.disable(post_hook)
+
+
+# optimizers whose step now is the one torch.distributed.checkpoint makes to create their state
+_STATE_INIT: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 class _GlobalHook:
@@ -385,7 +406,7 @@ def hook_step(
     """Call ``before(optimizer)`` before each of ``optimizer``'s updates (:func:`after_closure`)
     and ``after(optimizer, args, kwargs)`` after it, eagerly; :func:`foreign_hooks` leaves them out."""
     optimizer.register_step_pre_hook(after_closure(before))
-    optimizer.register_step_post_hook(torch.compiler.disable(after))
+    optimizer.register_step_post_hook(after_step(after))
     _OWN_HOOKS[optimizer] = _OWN_HOOKS.get(optimizer, 0) + 2
 
 
@@ -400,9 +421,7 @@ _OWN_HOOKS: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.Weak
 
 _BEFORE = _GlobalHook(lambda run: register_optimizer_step_pre_hook(after_closure(run)))
 _AFTER = _GlobalHook(
-    lambda run: register_optimizer_step_post_hook(
-        torch.compiler.disable(lambda optimizer, args, kwargs: run(optimizer))
-    )
+    lambda run: register_optimizer_step_post_hook(after_step(lambda optimizer, args, kwargs: run(optimizer)))
 )
 
 
