@@ -428,12 +428,10 @@ class CoverageCheck:
         if chosen is not None:  # the user's own choice
             rnn, why = "", f"{what}: torch.compile ran it eagerly ({chosen})"
         elif first and self.compile_error is not None and _compat.dynamo_config().suppress_errors:
-            rnn, why = (
-                "",
-                (
-                    f"this backend failed to compile {name} ({self.compile_error}), and "
-                    "torch._dynamo.config.suppress_errors=True ran it eagerly"
-                ),
+            rnn = ""
+            why = (
+                f"this backend failed to compile {name} ({self.compile_error}), and "
+                "torch._dynamo.config.suppress_errors=True ran it eagerly"
             )
         else:
             if rnn:  # the likeliest cause, which the hint gives alone

@@ -337,9 +337,9 @@ def after_closure(hook: Callable[[torch.optim.Optimizer], None]) -> Callable[...
 
     def pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if _STATE_INIT:
-            _STATE_INIT.discard(optimizer)  # a step since
+            _STATE_INIT.discard(optimizer)  # its state-creating step is over
         if not optimizer.state and _compat.initialising_optimizer_state():
-            _STATE_INIT.add(optimizer)  # no training step: no hook of fxgrad's runs, before or after
+            _STATE_INIT.add(optimizer)  # no training step: no hook of fxgrad's runs, before or after it
             return None
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args: (optimizer, *step's args)
         if not callable(closure):  # none, or another argument of an optimizer's own step()
