@@ -261,6 +261,38 @@ def test_a_program_that_cannot_be_built_warns_once_and_runs_eagerly():
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
 
 
+def test_a_layout_whose_program_cannot_be_built_leaves_the_others_compiled(monkeypatch):
+    """One step's odd gradients (a transposed one here; a broadcast one fails in Inductor) made
+    every later step run eagerly, its program never built (sweep 51c): only that layout does."""
+    built = []
+    build = StepPrograms._build
+
+    def fails_on_a_transposed_gradient(self, routes, owners, grads, *args):
+        if not all(g.is_contiguous() for g in grads):
+            raise RuntimeError("no program for this layout")
+        built.append(len(grads))
+        return build(self, routes, owners, grads, *args)
+
+    monkeypatch.setattr(StepPrograms, "_build", fails_on_a_transposed_gradient)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.1), compiler="aot_eager", scope="step")
+    model = nn.Linear(4, 4)
+    with pytest.warns(RuntimeWarning, match="could not be built .*on gradients of this layout") as caught:
+        for step in range(4):
+            model(torch.randn(2, 4)).sum().backward()
+            if step in (0, 2):
+                model.weight.grad = model.weight.grad.t().contiguous().t()
+            expected = [
+                p.grad * min(1.0, 0.1 / torch.cat([q.grad.flatten() for q in model.parameters()]).norm())
+                for p in model.parameters()
+            ]
+            backend.step(model)
+            for p, e in zip(model.parameters(), expected):
+                torch.testing.assert_close(p.grad, e)
+            model.zero_grad()
+    assert built == [2]
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+
+
 def test_weights_are_read_from_the_parameters_of_each_step(builds):
     """AGC reads the weights by name at run time: parameters replaced by
     ``load_state_dict(assign=True)`` are followed by the same program."""

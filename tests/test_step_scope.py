@@ -196,6 +196,56 @@ def test_gradients_changed_in_place_after_backend_step_are_not_taken_for_new_one
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("write", ["grad.data.copy_", "grad.data ="])
+def test_gradients_written_through_data_get_the_policy_at_each_step(write, compile_with):
+    """Gradients ``torch.autograd.grad`` returns, written into a kept ``.grad`` through ``.data``
+    (meta-learning loops), move no version counter: from the second step on, the step took them
+    for those the policy had run on and skipped it (norm 64, then 1095; sweep 51c)."""
+    model, eager = mlp_and_copy()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="step")
+    compiled = compile_with(backend, model)
+    optimizers = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    for net in (model, eager):
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
+    for _ in range(4):
+        x = torch.randn(4, 16)
+        for call, net in ((compiled, model), (eager, eager)):
+            grads = torch.autograd.grad(models.loss_of(call(x)) * 100, list(net.parameters()))
+            for p, g in zip(net.parameters(), grads):
+                if write == "grad.data.copy_":
+                    p.grad.data.copy_(g)
+                else:
+                    p.grad.data = g
+        torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
+        for optimizer in optimizers:
+            optimizer.step()
+    for actual, expected in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(actual, expected)
+
+
+def test_a_no_grad_forward_after_backend_step_leaves_the_users_edit_as_it_is():
+    """``backend.step()``, a forward under ``no_grad`` (the loss logged) and the user's own
+    in-place edit: the step ran the policy again, the forward counted as a new one (sweep 51c)."""
+    model, eager = mlp_and_copy()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="step")
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 16)
+    (models.loss_of(compiled(x)) * 100).backward()
+    (models.loss_of(eager(x)) * 100).backward()
+    backend.step()
+    torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
+    with torch.no_grad():
+        compiled(x)
+    for net in (model, eager):
+        for p in net.parameters():
+            p.grad.mul_(10.0)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    torch.optim.SGD(eager.parameters(), lr=0.1).step()
+    for actual, expected in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(actual, expected)
+
+
 def test_a_step_skipped_after_backend_step_leaves_the_next_one_the_policy():
     """An eager model (no compiled forward to count), zero_grad(set_to_none=False): backend.step(),
     no optimizer step, then a new backward onto the zeroed tensors. The next optimizer step took

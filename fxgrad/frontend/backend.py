@@ -236,7 +236,7 @@ class Backend:
                 self._before_update,
                 in_step,
                 self._drop_kept,
-                lambda: self._graph_runs,
+                lambda: self._training_runs,
             )
             if scope == "step":
                 self._step.arm()

@@ -72,7 +72,7 @@ class StepPrograms:
         self.inserted: str | None = None  # with keep_code: the last program built, as render_inserted writes it
         self._programs: dict[tuple, _Built] = {}  # by variant and layout
         self._misses: dict[tuple, int] = {}  # steps run eagerly past the limit, by variant and layout
-        self._broken: str | None = None  # why building failed; then every step runs eagerly
+        self._failed: set[tuple] = set()  # the keys whose program could not be built: they run eagerly
         self._told_eager: set[str] = set()  # the reasons some gradients run eagerly that were given
         # the parameters programs read weights of, by name (kept with the owners they came from)
         self._weights: tuple[Sequence[Owner] | None, dict[str, torch.Tensor]] = (None, {})
@@ -88,7 +88,7 @@ class StepPrograms:
     def drop(self) -> None:
         """Drop the programs too, each with its compiled code (``inserted`` stays)."""
         self.forget()
-        self._programs, self._last, self._last_routing = {}, _NO_LAST, _NO_ROUTING
+        self._programs, self._last, self._last_routing, self._failed = {}, _NO_LAST, _NO_ROUTING, set()
 
     def routes(
         self,
@@ -123,8 +123,6 @@ class StepPrograms:
         :func:`~fxgrad.runtime.executor.run_policy`), then the optimizer's ``update`` if given
         (:mod:`fxgrad.frontend.update_program`: over plain tensors); ``False`` if it
         cannot (the caller then runs the rules eagerly, and leaves the update to the optimizer)."""
-        if self._broken is not None:
-            return False
         grads = list(map(OWNER_GRAD, owners))
         group = None
         if set(map(type, grads)) != {torch.Tensor}:
@@ -149,18 +147,7 @@ class StepPrograms:
                     "(Inductor compiles strided tensors only)"
                 )
                 return None
-            try:
-                return self._build(routes, owners, grads, group, store, scaler, fold, update)
-            except CheckpointMismatch:  # the eager path would raise it too
-                raise
-            except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
-                self._broken = f"{type(error).__name__}: {error}"
-                warn(
-                    f"fxgrad: the compiled step program could not be built ({self._broken}); "
-                    "scope='step' runs the policy eagerly, one op at a time",
-                    RuntimeWarning,
-                )
-                return None
+            return self._build(routes, owners, grads, group, store, scaler, fold, update)
 
         program = self._program(variant, [*grads, *extra], build)
         if program is None:
@@ -174,9 +161,9 @@ class StepPrograms:
     ) -> Callable[..., Any] | None:
         """The program for ``variant`` (routing, process group, scaler, fold, update) over the
         layout of ``tensors`` (the gradients, then the update's inputs), built by ``build()``
-        the first time (None: it was not). The last step's is checked in C++; the key of the
-        layout, a tuple per tensor, takes 40 us of Python to build and hash for the deep MLP's
-        98 gradients."""
+        the first time (None: it was not; if it raises, that layout runs eagerly from then on,
+        after one warning). The last step's is checked in C++; the key of the layout, a tuple
+        per tensor, takes 40 us of Python to build and hash for the deep MLP's 98 gradients."""
         last_variant, matches, built = self._last
         if last_variant == variant and matches(tensors):
             built.uses += 1
@@ -184,9 +171,20 @@ class StepPrograms:
         key = variant, _layout(tensors)
         built = self._programs.get(key)
         if built is None:
-            if not self._room_for(key):
+            if key in self._failed or not self._room_for(key):
                 return None
-            program = build()
+            try:
+                program = build()
+            except CheckpointMismatch:  # the eager path would raise it too
+                raise
+            except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
+                self._failed.add(key)
+                warn(
+                    f"fxgrad: the compiled step program could not be built ({type(error).__name__}: {error}); "
+                    "scope='step' runs the policy eagerly, one op at a time, on gradients of this layout",
+                    RuntimeWarning,
+                )
+                return None
             if program is None:
                 return None
             built = self._programs[key] = _Built(program, self._misses.pop(key, 0))

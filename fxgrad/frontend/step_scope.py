@@ -279,8 +279,10 @@ class StepScope:
     ) -> None:
         self.models, self.run, self.scaler, self.after, self.active = models, run, scaler, after, active
         self.gone = gone
-        self.forwards = forwards  # counts the calls of the backend's compiled forwards
+        self.forwards = forwards  # counts the calls of the backend's compiled forwards that train
         self._seen = SeenGrads()
+        # the optimizer whose step last ran the policy (None: backend.step()), and the forwards then
+        self._last_run: tuple[weakref.ref | None, int] = (None, 0)
         # after backend.step(): the forwards then, the parameters, their gradients then (weakly) and versions
         self._by_hand: tuple[int, Sequence[nn.Parameter], list[weakref.ref | None], list[int | None]] | None = None
         self._armed = False
@@ -308,9 +310,10 @@ class StepScope:
         that step then takes them as they are (see :meth:`_edited_since_by_hand`)."""
         params = self.parameters(models) if params is None else params
         grads = list(map(GRAD, params))
-        if self._seen.changed(params, grads):
+        if self._seen.changed(params, grads) or self._rewritten(optimizer):
             self.run(models, scaler, params, optimizer)  # in place: each .grad stays the tensor it was
             self._seen.record(params, grads)
+            self._last_run = None if optimizer is None else weakref.ref(optimizer), self.forwards()
         if by_hand:
             refs = [None if g is None else weakref.ref(g) for g in grads]
             self._by_hand = (
@@ -342,12 +345,23 @@ class StepScope:
             self.apply(models, None if unscaled else self.scaler, params, optimizer=optimizer)
         self.after(optimizer)
 
+    def _rewritten(self, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Whether gradients that look like those the policy last ran on (each the tensor it was,
+        at the version it was) were written since without moving their version: the optimizer
+        whose step ran it steps again, and a compiled forward that trains ran since
+        (``p.grad.data.copy_(g)`` or ``p.grad.data = g`` of gradients ``torch.autograd.grad``
+        returned). Another optimizer over the same gradients (weights and biases apart) and a
+        step after :meth:`apply` by hand take them as they are."""
+        last, forwards = self._last_run
+        return optimizer is not None and last is not None and last() is optimizer and forwards != self.forwards()
+
     def _edited_since_by_hand(self) -> bool:
         """Whether the gradients are those ``backend.step()`` last ran the policy on, changed in place
         once at most since (a clip of the user's own, which the version check would take for new
-        gradients): no compiled forward ran since, each gradient is the tensor it was, and its
-        version moved by one or less (a new backward onto zeroed gradients moves it by two: the
-        zeroing, then the sum; an eager forward leaves the count of compiled ones as it was). If
+        gradients): no compiled forward that trains ran since (one under ``no_grad``, for logging,
+        does not count), each gradient is the tensor it was, and its version moved by one or less
+        (a new backward onto zeroed gradients moves it by two: the zeroing, then the sum; an eager
+        forward leaves the count of compiled ones as it was). If
         so, they count as seen as they are now, for this optimizer and any other that steps next
         (a GAN's two). The first optimizer step after ``backend.step()`` takes the mark."""
         if self._by_hand is None:
