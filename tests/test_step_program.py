@@ -293,6 +293,28 @@ def test_a_layout_whose_program_cannot_be_built_leaves_the_others_compiled(monke
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
 
 
+def test_builds_that_fail_on_two_layouts_leave_every_step_eager(monkeypatch):
+    """A failure on a second layout is not the layout's (Inductor's toolchain, say): builds stop,
+    where the regression sweep of the per-layout fallback found one try, and one warning, per
+    new layout (24 tries in 30 steps of a model with optional branches)."""
+    tries = []
+
+    def fails(self, *args):
+        tries.append(1)
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(StepPrograms, "_build", fails)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.1), compiler="aot_eager", scope="step")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.warns(RuntimeWarning, match="could not be built") as caught:
+        for step in range(6):
+            model[step % 2](torch.randn(2, 4)).sum().backward()  # two layouts, and the first again
+            backend.step(model)
+            model.zero_grad()
+    assert len(tries) == 2
+    assert [str(w.message).endswith("from now on") for w in caught] == [False, True]
+
+
 def test_weights_are_read_from_the_parameters_of_each_step(builds):
     """AGC reads the weights by name at run time: parameters replaced by
     ``load_state_dict(assign=True)`` are followed by the same program."""

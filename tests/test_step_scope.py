@@ -246,6 +246,49 @@ def test_a_no_grad_forward_after_backend_step_leaves_the_users_edit_as_it_is():
         torch.testing.assert_close(actual, expected)
 
 
+class EagerLayers(nn.Module):
+    """Its layers run eagerly; the compiled graph between them trains no parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    @torch.compiler.disable
+    def first(self, x):
+        return self.a(x)
+
+    @torch.compiler.disable
+    def second(self, x):
+        return self.b(x)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)) * 2.0)
+
+
+def test_a_micro_batch_after_backend_step_through_a_graph_without_parameters_gets_the_policy():
+    """A micro-batch after ``backend.step()`` sums into the gradients (their version moves by
+    one, as an edit's would): the compiled forward in grad mode before it says they are new,
+    also when that graph trains no parameter. The regression sweep of 51c's fix found it
+    counting forwards that train parameters only (the sums stepped unclipped)."""
+    torch.manual_seed(0)
+    model = EagerLayers()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="step")
+    compiled = backend.compile(model)
+    x = torch.randn(8, 16) * 3
+    (models.loss_of(compiled(x)) * 100).backward()
+    backend.step()
+    (models.loss_of(compiled(x / 2)) * 100).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    (models.loss_of(eager(x)) * 100).backward()
+    torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
+    (models.loss_of(eager(x / 2)) * 100).backward()
+    torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
+    torch.optim.SGD(eager.parameters(), lr=0.1).step()
+    for actual, expected in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(actual, expected)
+
+
 def test_a_step_skipped_after_backend_step_leaves_the_next_one_the_policy():
     """An eager model (no compiled forward to count), zero_grad(set_to_none=False): backend.step(),
     no optimizer step, then a new backward onto the zeroed tensors. The next optimizer step took

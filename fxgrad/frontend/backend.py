@@ -178,6 +178,7 @@ class Backend:
         self._models: list[weakref.ref] = []  # models handed to torch.compile with it, or to step()
         self._graph_runs = 0  # calls of compiled forwards
         self._training_runs = 0  # ... of those that train parameters (a layer's graph, not a ReLU's or a frozen one's)
+        self._grad_mode_runs = 0  # ... of those compiled in grad mode (not an evaluation under no_grad)
         self._backwards = 0  # backward passes through its graphs
         # graph scope, folded: the latest backward pass through them (see _note_pass)
         self._last_pass: tuple[int | None, int, bool, frozenset[int]] = (None, 0, False, frozenset())
@@ -236,7 +237,7 @@ class Backend:
                 self._before_update,
                 in_step,
                 self._drop_kept,
-                lambda: self._training_runs,
+                lambda: self._grad_mode_runs,
             )
             if scope == "step":
                 self._step.arm()
@@ -288,7 +289,7 @@ class Backend:
         try:
             return self._compile(gm, example_inputs, mode, options)
         except Exception as error:
-            if self._coverage is not None:  # under suppress_errors Dynamo runs the frame eagerly: the cause
+            if self._coverage is not None:  # under suppress_errors Dynamo runs the frame eagerly: a likely cause
                 self._coverage.compile_error = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
             raise
 
@@ -357,6 +358,7 @@ class Backend:
             # lets compile() see forwards whose trained layers all ran eagerly (functional_call's tensors
             # stand in for parameters)
             self._training_runs += bool(graph.trains or graph.stand_ins)
+            self._grad_mode_runs += graph.grad_mode  # new gradients may follow (step scope's check)
             graph.last_run = self._graph_runs  # which graphs ran in one forward (registry.parts_of_same_forward)
             if graph.params and not graph.bound_to(args):
                 self._rebind(graph, args)

@@ -428,10 +428,11 @@ class CoverageCheck:
         if chosen is not None:  # the user's own choice
             rnn, why = "", f"{what}: torch.compile ran it eagerly ({chosen})"
         elif first and self.compile_error is not None and _compat.dynamo_config().suppress_errors:
-            rnn = ""
+            rnn = ""  # which frame's compile failed is not known: a likely cause, and the usual ones
             why = (
-                f"this backend failed to compile {name} ({self.compile_error}), and "
-                "torch._dynamo.config.suppress_errors=True ran it eagerly"
+                f"no graph of {name} was compiled: torch.compile ran it eagerly (a compile of this backend "
+                f"failed, {self.compile_error}, and torch._dynamo.config.suppress_errors=True runs that frame "
+                "eagerly; or Dynamo could not trace it, or it is under torch.compiler.disable)"
             )
         else:
             if rnn:  # the likeliest cause, which the hint gives alone

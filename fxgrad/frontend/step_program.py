@@ -72,7 +72,8 @@ class StepPrograms:
         self.inserted: str | None = None  # with keep_code: the last program built, as render_inserted writes it
         self._programs: dict[tuple, _Built] = {}  # by variant and layout
         self._misses: dict[tuple, int] = {}  # steps run eagerly past the limit, by variant and layout
-        self._failed: set[tuple] = set()  # the keys whose program could not be built: they run eagerly
+        # the keys whose program could not be built: they run eagerly; every key does from a second on
+        self._failed: set[tuple] = set()
         self._told_eager: set[str] = set()  # the reasons some gradients run eagerly that were given
         # the parameters programs read weights of, by name (kept with the owners they came from)
         self._weights: tuple[Sequence[Owner] | None, dict[str, torch.Tensor]] = (None, {})
@@ -123,6 +124,8 @@ class StepPrograms:
         :func:`~fxgrad.runtime.executor.run_policy`), then the optimizer's ``update`` if given
         (:mod:`fxgrad.frontend.update_program`: over plain tensors); ``False`` if it
         cannot (the caller then runs the rules eagerly, and leaves the update to the optimizer)."""
+        if len(self._failed) > 1:  # builds fail whatever the layout (Inductor's toolchain, say)
+            return False
         grads = list(map(OWNER_GRAD, owners))
         group = None
         if set(map(type, grads)) != {torch.Tensor}:
@@ -162,8 +165,9 @@ class StepPrograms:
         """The program for ``variant`` (routing, process group, scaler, fold, update) over the
         layout of ``tensors`` (the gradients, then the update's inputs), built by ``build()``
         the first time (None: it was not; if it raises, that layout runs eagerly from then on,
-        after one warning). The last step's is checked in C++; the key of the layout, a tuple
-        per tensor, takes 40 us of Python to build and hash for the deep MLP's 98 gradients."""
+        after one warning, and if a second layout's raises too, every layout). The last step's is
+        checked in C++; the key of the layout, a tuple per tensor, takes 40 us of Python to build
+        and hash for the deep MLP's 98 gradients."""
         last_variant, matches, built = self._last
         if last_variant == variant and matches(tensors):
             built.uses += 1
@@ -179,9 +183,10 @@ class StepPrograms:
                 raise
             except Exception as error:  # noqa: BLE001  any failure leaves the eager path, which is exact
                 self._failed.add(key)
+                which = "on gradients of this layout" if len(self._failed) == 1 else "from now on"
                 warn(
                     f"fxgrad: the compiled step program could not be built ({type(error).__name__}: {error}); "
-                    "scope='step' runs the policy eagerly, one op at a time, on gradients of this layout",
+                    f"scope='step' runs the policy eagerly, one op at a time, {which}",
                     RuntimeWarning,
                 )
                 return None

@@ -279,7 +279,7 @@ class StepScope:
     ) -> None:
         self.models, self.run, self.scaler, self.after, self.active = models, run, scaler, after, active
         self.gone = gone
-        self.forwards = forwards  # counts the calls of the backend's compiled forwards that train
+        self.forwards = forwards  # counts the calls of the backend's compiled forwards in grad mode
         self._seen = SeenGrads()
         # the optimizer whose step last ran the policy (None: backend.step()), and the forwards then
         self._last_run: tuple[weakref.ref | None, int] = (None, 0)
@@ -348,7 +348,7 @@ class StepScope:
     def _rewritten(self, optimizer: torch.optim.Optimizer | None) -> bool:
         """Whether gradients that look like those the policy last ran on (each the tensor it was,
         at the version it was) were written since without moving their version: the optimizer
-        whose step ran it steps again, and a compiled forward that trains ran since
+        whose step ran it steps again, and a compiled forward in grad mode ran since
         (``p.grad.data.copy_(g)`` or ``p.grad.data = g`` of gradients ``torch.autograd.grad``
         returned). Another optimizer over the same gradients (weights and biases apart) and a
         step after :meth:`apply` by hand take them as they are."""
@@ -358,7 +358,7 @@ class StepScope:
     def _edited_since_by_hand(self) -> bool:
         """Whether the gradients are those ``backend.step()`` last ran the policy on, changed in place
         once at most since (a clip of the user's own, which the version check would take for new
-        gradients): no compiled forward that trains ran since (one under ``no_grad``, for logging,
+        gradients): no compiled forward in grad mode ran since (one under ``no_grad``, for logging,
         does not count), each gradient is the tensor it was, and its version moved by one or less
         (a new backward onto zeroed gradients moves it by two: the zeroing, then the sum; an eager
         forward leaves the count of compiled ones as it was). If

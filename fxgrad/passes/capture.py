@@ -90,6 +90,9 @@ class CapturedGraph:
     # Whether this graph may compute a parameter's gradient (not run under no_grad, nor frozen:
     # an EMA copy's graphs do not, and no policy acts on them):
     trains: bool = True
+    # Whether it was compiled in grad mode (Dynamo runs it in that mode only): not an evaluation
+    # forward's under no_grad
+    grad_mode: bool = True
     # The prefixes of the modules it trains that were renamed (see Root):
     renamed_roots: list = dataclasses.field(default_factory=list)
     # Whether the rewritten backward reads parameters (None: not rewritten yet). Such a graph,
@@ -269,6 +272,7 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
         len(placeholders),
         params,
         trains=bool(trained),
+        grad_mode=grad_mode,
         renamed_roots=renamed,
         root_refs=root_refs,
         stand_ins=stand_ins if grad_mode else [],
