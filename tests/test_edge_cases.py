@@ -85,11 +85,42 @@ def test_weights_tied_after_the_compile_are_refused_in_graph_scope_and_exact_in_
         net.zero_grad(set_to_none=True)
         net.head.weight = net.embed.weight
     if scope == "graph":
-        with pytest.raises(fxgrad.CoverageError, match="embed.weight and head.weight were tied after"):
+        said = "embed.weight and head.weight are one parameter, and the graph was compiled with an input for"
+        with pytest.raises(fxgrad.CoverageError, match=said):
             compiled(ids)
         return
     models.loss_of(compiled(ids)).backward()
     backend.step()
+    models.loss_of(expected(ids)).backward()
+    ref.clip_global(expected, 0.1)
+    assert_grads_close(model, expected)
+
+
+@pytest.mark.parametrize("case", ["an evaluation graph", "frozen weights"])
+def test_weights_tied_after_the_compile_that_no_gradient_reaches_are_fine(case):
+    """No false alarm (the regression sweep of the check above): an evaluation forward's graph,
+    compiled under ``no_grad`` before the tie, computes no gradient; frozen weights tied after
+    the compile get none."""
+    torch.manual_seed(0)
+    model = EmbedAndHead()
+    if case == "frozen weights":
+        model.embed.requires_grad_(False)
+        model.head.requires_grad_(False)
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.1), compiler="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    ids = torch.randint(0, 32, (4, 8))
+    with torch.no_grad():
+        compiled(ids)
+    if case == "frozen weights":
+        models.loss_of(compiled(ids)).backward()
+        model.zero_grad()
+    for net in (model, expected):
+        net.head.weight = net.embed.weight
+    with coverage_silent():
+        models.loss_of(compiled(ids)).backward()
+        with torch.no_grad():
+            compiled(ids)
     models.loss_of(expected(ids)).backward()
     ref.clip_global(expected, 0.1)
     assert_grads_close(model, expected)

@@ -388,8 +388,8 @@ class Backend:
         self.registry.rebound()
         before = graph.params  # rebind replaces the list
         replaced = graph.rebind(args)
-        if self._coverage is not None and self.current_scope() == "graph":
-            self._check_tied(graph)
+        if self._coverage is not None and self.current_scope() == "graph" and self._tied(graph):
+            return  # reported: the checks of another module running the graph would misread its slots
         if replaced or self._coverage is None or self.current_scope() == "step" or not graph.roots():
             # step scope: the graph is a plain one, and the policy's state is per layer of the model; no model it
             # was compiled for lives: the graph is the next one's (a trial's on a backbone that outlives it)
@@ -410,25 +410,32 @@ class Backend:
             "fxgrad.backend(...), or use scope='step'."
         )
 
-    def _check_tied(self, graph: CapturedGraph) -> None:
-        """Report slots of ``graph`` that now take one parameter: weights tied after the graph was
-        compiled (Dynamo compiles one input for a parameter two modules hold, and runs a graph
-        compiled before without a new compile)."""
+    def _tied(self, graph: CapturedGraph) -> bool:
+        """Report slots of ``graph`` that now take one trained parameter, and say whether any do:
+        weights tied after the graph was compiled (Dynamo compiles one input for a parameter two
+        modules hold, and runs a graph compiled before without a new compile)."""
+        if not graph.trains:  # an evaluation's graph, or a frozen model's: no gradient to transform
+            return False
         slots: dict[int, list[str]] = {}
         for slot in graph.params:
-            slots.setdefault(id(slot.tensor()), []).append(slot.name)
+            tensor = slot.tensor()
+            if tensor is not None and tensor.requires_grad:
+                slots.setdefault(id(tensor), []).append(slot.name)
         tied = [names for names in slots.values() if len(names) > 1]
         if tied:
             self._coverage.report(
                 f"fxgrad: a compiled graph takes one parameter in several inputs: "
-                f"{'; '.join(' and '.join(names) for names in tied)} were tied after the graph was compiled "
-                "(model.head.weight = model.embed.weight), and Dynamo runs it without compiling it again. "
-                "The backward transforms each input's part of the gradient as a layer of its own before "
+                f"{'; '.join(' and '.join(names) for names in tied)} are one parameter, and the graph was "
+                "compiled with an input for each (weights tied after it was compiled, model.head.weight = "
+                "model.embed.weight, or a model tied from the start running the graph of an untied model of "
+                "its class); Dynamo runs it without compiling it again. The backward transforms each "
+                "input's part of the gradient as a layer of its own before "
                 f"autograd sums them, so {self.transform!r} never sees the tied weight's gradient. Tie the "
                 "weights before the first forward, or call torch._dynamo.reset() and compile the model again; "
                 "scope='step' is exact either way.",
                 fatal=True,
             )
+        return bool(tied)
 
     def _check_reuse(self, graph: CapturedGraph, before: list, args: tuple) -> None:
         """Another module runs ``graph`` (``before``: the slots of the call before, ``args`` this call's

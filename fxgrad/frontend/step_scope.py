@@ -253,6 +253,16 @@ NOT_WRITTEN = (
 )
 
 
+UNCHANGED = (
+    "fxgrad: {optimizer}.step() steps the gradients the policy ran on at its last step, unchanged (each "
+    "the tensor it was, at the version it was), though the compiled model ran forward in grad mode since. "
+    "If no backward wrote new gradients since, nothing is wrong (the step repeats the last one's "
+    "gradients, which already had the policy). If new ones were written through .data "
+    "(p.grad.data.copy_(g), p.grad.data = g), which moves no version counter, the policy did not run on "
+    "them: write p.grad.copy_(g), or assign p.grad = g."
+)
+
+
 class StepScope:
     """Runs a backend's policy on ``.grad``, once per set of gradients.
 
@@ -283,6 +293,7 @@ class StepScope:
         self._seen = SeenGrads()
         # the optimizer whose step last ran the policy (None: backend.step()), and the forwards then
         self._last_run: tuple[weakref.ref | None, int] = (None, 0)
+        self._told_unchanged = False  # see _stepped_again
         # after backend.step(): the forwards then, the parameters, their gradients then (weakly) and versions
         self._by_hand: tuple[int, Sequence[nn.Parameter], list[weakref.ref | None], list[int | None]] | None = None
         self._armed = False
@@ -310,10 +321,13 @@ class StepScope:
         that step then takes them as they are (see :meth:`_edited_since_by_hand`)."""
         params = self.parameters(models) if params is None else params
         grads = list(map(GRAD, params))
-        if self._seen.changed(params, grads) or self._rewritten(optimizer):
+        if self._seen.changed(params, grads):
             self.run(models, scaler, params, optimizer)  # in place: each .grad stays the tensor it was
             self._seen.record(params, grads)
             self._last_run = None if optimizer is None else weakref.ref(optimizer), self.forwards()
+        elif not self._told_unchanged and self._stepped_again(optimizer):
+            self._told_unchanged = True
+            warn(UNCHANGED.format(optimizer=type(optimizer).__name__), CoverageWarning)
         if by_hand:
             refs = [None if g is None else weakref.ref(g) for g in grads]
             self._by_hand = (
@@ -345,13 +359,13 @@ class StepScope:
             self.apply(models, None if unscaled else self.scaler, params, optimizer=optimizer)
         self.after(optimizer)
 
-    def _rewritten(self, optimizer: torch.optim.Optimizer | None) -> bool:
-        """Whether gradients that look like those the policy last ran on (each the tensor it was,
-        at the version it was) were written since without moving their version: the optimizer
-        whose step ran it steps again, and a compiled forward in grad mode ran since
-        (``p.grad.data.copy_(g)`` or ``p.grad.data = g`` of gradients ``torch.autograd.grad``
-        returned). Another optimizer over the same gradients (weights and biases apart) and a
-        step after :meth:`apply` by hand take them as they are."""
+    def _stepped_again(self, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Whether the optimizer whose step last ran the policy steps again on gradients that look
+        like those it ran on (each the tensor it was, at the version it was), after a compiled
+        forward in grad mode: a step with no backward since (the same gradients, which need
+        nothing), or gradients written without moving their version (``p.grad.data.copy_(g)``),
+        which fxgrad cannot tell apart. Another optimizer over the same gradients (weights and
+        biases apart) and a step after :meth:`apply` by hand take them as they are."""
         last, forwards = self._last_run
         return optimizer is not None and last is not None and last() is optimizer and forwards != self.forwards()
 
