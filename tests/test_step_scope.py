@@ -242,6 +242,23 @@ def test_a_step_repeated_without_a_backward_gets_no_second_policy_run():
     assert backend.state_dict()["0.autoclip/count"].item() == 2
 
 
+def test_a_step_with_no_gradient_after_a_skipped_backward_is_silent():
+    """``zero_grad()`` then no backward (a non-finite loss skipped, or Lightning's closure when
+    ``training_step`` returns None), and the step anyway: no gradient, nothing to say (the
+    warning above fired, the last regression sweep found)."""
+    model, _ = mlp_and_copy()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="step")
+    compiled = backend.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with coverage_silent():
+        for step in range(3):
+            optimizer.zero_grad()
+            loss = models.loss_of(compiled(torch.randn(4, 16)))
+            if step != 1:
+                loss.backward()
+            optimizer.step()
+
+
 def test_a_no_grad_forward_after_backend_step_leaves_the_users_edit_as_it_is():
     """``backend.step()``, a forward under ``no_grad`` (the loss logged) and the user's own
     in-place edit: the step ran the policy again, the forward counted as a new one (sweep 51c)."""
