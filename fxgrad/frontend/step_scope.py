@@ -325,7 +325,7 @@ class StepScope:
             self.run(models, scaler, params, optimizer)  # in place: each .grad stays the tensor it was
             self._seen.record(params, grads)
             self._last_run = None if optimizer is None else weakref.ref(optimizer), self.forwards()
-        elif not self._told_unchanged and any(g is not None for g in grads) and self._stepped_again(optimizer):
+        elif not self._told_unchanged and self._stepped_again(optimizer) and any(g is not None for g in grads):
             self._told_unchanged = True
             warn(UNCHANGED.format(optimizer=type(optimizer).__name__), CoverageWarning)
         if by_hand:
