@@ -37,11 +37,15 @@ from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch._subclasses.fake_tensor import FakeTensorConfig as _FakeTensorConfig
 from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.export.unflatten import InterpreterModule as _InterpreterModule
+from torch.export.unflatten import UnflattenedModule as _UnflattenedModule
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import (
     _disable_current_modes as outside_dispatch_modes,
 )
+
+_UNFLATTENED = (_InterpreterModule, _UnflattenedModule)
 
 __all__ = [
     "TorchDispatchMode",
@@ -75,6 +79,7 @@ __all__ = [
     "compile_id",
     "current_frame_scope",
     "compile_call",
+    "exported_class",
     "detect_fake_mode",
     "new_fake_mode",
     "fake_of",
@@ -668,6 +673,26 @@ def module_path(name: str) -> str:
     if "_orig_mod" not in name:
         return name
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def exported_class(module: torch.nn.Module) -> type | None:
+    """The class ``module`` was exported from, when ``torch.export.unflatten`` rebuilt it (the
+    stages ``torch.distributed.pipelining.pipeline()`` makes are such modules), or ``None``.
+
+    An unflattened module is an ``InterpreterModule`` that keeps its original class's qualified
+    name in ``_ty``; the class is looked up as pickle would, among imported modules only."""
+    name = getattr(module, "_ty", None) if isinstance(module, _UNFLATTENED) else None
+    if not isinstance(name, str):
+        return None
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest imported prefix, then attributes
+        found: Any = sys.modules.get(".".join(parts[:cut]))
+        if found is None:
+            continue
+        for attribute in parts[cut:]:
+            found = getattr(found, attribute, None)
+        return found if isinstance(found, type) and issubclass(found, torch.nn.Module) else None
+    return None
 
 
 tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")

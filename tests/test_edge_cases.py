@@ -661,3 +661,37 @@ def test_lazy_modules_compile_and_clip_like_eager(scope, compile_with):
     eager(x).sum().backward()
     ref.clip_global(eager, 1e-3)
     assert_grads_close(model, eager)
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        fxgrad.clip_by_norm(0.02),
+        fxgrad.by_type({nn.Linear: fxgrad.clip_by_norm(0.02)}),
+        fxgrad.adaptive_grad_clip(0.01),
+    ],
+    ids=repr,
+)
+def test_modules_rebuilt_by_torch_export_are_matched_by_their_exported_classes(scope, policy):
+    """``torch.export.unflatten``, which ``torch.distributed.pipelining.pipeline()`` builds each
+    stage with, makes every submodule an ``InterpreterModule``: the skip list and ``by_type``
+    still see ``nn.LayerNorm`` and ``nn.Linear`` (the LayerNorm was clipped, silently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+    x = torch.randn(16, 8)
+    stage = torch.export.unflatten(torch.export.export(copy.deepcopy(model), (x,)))
+    backend = fxgrad.backend(policy, compiler="aot_eager", scope=scope)
+    with coverage_silent():
+        if scope == "graph":
+            torch.compile(stage, backend=backend)(x).pow(2).sum().backward()
+        else:
+            stage(x).pow(2).sum().backward()
+            backend.step(stage)
+    model(x).pow(2).sum().backward()
+    untouched = grads_of(model)
+    if "adaptive_grad_clip" in repr(policy):
+        ref.agc(model, 0.01)
+    else:
+        ref.clip_per_layer(model, 0.02)
+    assert_grads_close(stage, model, untouched=untouched)

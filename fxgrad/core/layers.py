@@ -190,6 +190,21 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
+def module_type(module: nn.Module) -> type:
+    """``module``'s class, as the skip list and ``by_type`` match it: for a module that
+    ``torch.export.unflatten`` rebuilt (a ``pipeline()`` stage's ``InterpreterModule``), the
+    class it was exported from.
+
+    >>> import torch
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    >>> stage = torch.export.unflatten(torch.export.export(model, (torch.ones(1, 2),)))
+    >>> norm = stage.get_submodule("1")
+    >>> type(norm).__name__, module_type(norm).__name__
+    ('InterpreterModule', 'LayerNorm')
+    """
+    return _compat.exported_class(module) or type(module)
+
+
 def validate_skip(skip: Iterable[SkipEntry]) -> tuple[SkipEntry, ...]:
     """Check a ``skip=`` argument: module types and pattern strings (see :mod:`fxgrad.core.match`)."""
     if isinstance(skip, (str, type, Mapping)) or not isinstance(skip, Iterable):
@@ -246,6 +261,6 @@ def model_rows(model: nn.Module, prefix: str) -> tuple[list[ParamRow], list[Para
     trainable, frozen = [], []
     for owner in parameter_owners(model, prefix).values():
         numel = 0 if is_lazy(owner.tensor) else owner.tensor.numel()
-        row = ParamRow(owner.layer, owner.param, type(owner.module), numel)
+        row = ParamRow(owner.layer, owner.param, module_type(owner.module), numel)
         (trainable if owner.tensor.requires_grad else frozen).append(row)
     return trainable, frozen

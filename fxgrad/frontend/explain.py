@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from fxgrad import _compat
-from fxgrad.core.layers import parameter_owners, skip_reason
+from fxgrad.core.layers import module_type, parameter_owners, skip_reason
 from fxgrad.frontend.backend import Backend
 from fxgrad.frontend.coverage import CoverageWarning
 from fxgrad.frontend.kernels import KernelCollector, ProgramKernels
@@ -257,7 +257,8 @@ def _decisions(model: nn.Module, probe: Backend, step_scope: list | None) -> lis
     """Per layer, what happens; ``step_scope`` holds the routes ``.grad`` gets in step scope."""
     layers: dict[str, _LayerInfo] = {}
     for owner in parameter_owners(model).values():
-        info = layers.setdefault(owner.layer, _LayerInfo(type(owner.module).__name__, module_type=type(owner.module)))
+        kind = module_type(owner.module)
+        info = layers.setdefault(owner.layer, _LayerInfo(kind.__name__, module_type=kind))
         info.numel += owner.tensor.numel()
         info.trainable |= owner.tensor.requires_grad
     actions: dict[str, list[str]] = {}

@@ -49,6 +49,7 @@ from fxgrad.core.layers import (
     ParamRow,
     SkipEntry,
     build_layers,
+    module_type,
     not_none,
     parameter_owners,
 )
@@ -94,7 +95,7 @@ def models_owners(models: Sequence[tuple[nn.Module, str]]) -> dict[int, Owner]:
 
 def owners_layers(owners: Sequence[Owner], skip: Sequence[SkipEntry], order: Sequence[str] = ()) -> list[Layer]:
     """The layers ``owners``' parameters make up (``order``: the forward order of the layers)."""
-    rows = [ParamRow(o.layer, o.param, type(o.module), o.tensor.numel()) for o in owners]
+    rows = [ParamRow(o.layer, o.param, module_type(o.module), o.tensor.numel()) for o in owners]
     return build_layers(rows, order, skip)
 
 

@@ -31,7 +31,7 @@ import torch.fx
 import torch.nn as nn
 
 from fxgrad import _compat
-from fxgrad.core.layers import Owner, parameter_owners
+from fxgrad.core.layers import Owner, module_type, parameter_owners
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +256,7 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence, roots: dict[int,
                 index=index,
                 layer=owner.layer,
                 name=owner.param,
-                module_type=type(owner.module) if owner.module is not None else None,
+                module_type=module_type(owner.module) if owner.module is not None else None,
                 numel=value.numel(),
                 root=id(root) if root is not None else None,
                 tensor=weakref.ref(value),
