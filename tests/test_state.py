@@ -457,6 +457,38 @@ def test_a_step_skip_nonfinite_zeroed_leaves_the_state_of_the_rules_after_it(sco
         torch.testing.assert_close(actual, wanted, rtol=1e-6, atol=0)
 
 
+KEPT_STATISTICS = {
+    "autoclip": ("autoclip/threshold",),
+    "zclip": ("zclip/mean", "zclip/std"),
+    "monitor": ("grad_norm_ema/a", "grad_norm_std/b"),
+}
+
+
+@pytest.mark.parametrize("scope", ["graph", "step"])
+@pytest.mark.parametrize(
+    "rule", [fxgrad.autoclip(history=6), fxgrad.zclip(warmup=2), fxgrad.monitor()], ids=lambda rule: rule.name
+)
+def test_a_step_skip_nonfinite_zeroed_reports_the_kept_state(scope, rule):
+    """The statistics that show a rule's state read what it kept on a zeroed step, not its
+    update by a zero norm (zclip's mean read 0.9 of the kept one, autoclip's threshold less)."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    backend = fxgrad.backend(fxgrad.chain(fxgrad.skip_nonfinite(), rule), compiler="aot_eager", scope=scope)
+    compiled = backend.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        compiled(torch.randn(4, 8), torch.ones(8)).backward()
+        assert fxgrad.step_if_finite(optimizer, backend)
+        optimizer.zero_grad()
+    before = backend.stats()
+    compiled(torch.randn(4, 8), one_inf()).backward()
+    assert not fxgrad.step_if_finite(optimizer, backend)
+    after = backend.stats()
+    assert after["nonfinite_step"] == 1
+    for key in KEPT_STATISTICS[rule.name]:
+        torch.testing.assert_close(after[key], before[key], msg=key)
+
+
 @pytest.mark.parametrize("scope", ["graph", "step"])
 def test_monitor_reports_the_kept_ema_on_an_overflow_step(scope):
     """On a step with a non-finite norm the EMA statistics read what the state kept, not NaN."""

@@ -105,7 +105,8 @@ class AutoClip(ScaleLeaf):
         value = low_value + (high_value - low_value) * (position - low)
         blended = torch.where(count == 0, value, (1 - self.blend) * state["threshold"] + self.blend * value)
         threshold = torch.where(finite, blended, state["threshold"])
-        ctx.save(state, history=history, count=count + finite.to(torch.float64), threshold=threshold)
+        saved = ctx.save(state, history=history, count=count + finite.to(torch.float64), threshold=threshold)
+        threshold = saved["threshold"]  # the kept one: on a step skip_nonfinite zeroed, the one before it
         coef = norm_math.clip_coefficient(total, threshold)
         ctx.emit("autoclip/threshold", threshold)
         _report(ctx, total, coef)
@@ -194,11 +195,13 @@ class ZClip(ScaleLeaf):
         update = finite  # a non-finite norm propagates to the gradients but not into the state
         mean_out = torch.where(update, torch.where(warming, torch.where(initialise, first_mean, mean), new_mean), mean)
         var_out = torch.where(update, torch.where(warming, torch.where(initialise, first_var, var), new_var), var)
-        ctx.save(state, warmup_norms=collected, count=count + finite.to(torch.float64), mean=mean_out, var=var_out)
+        saved = ctx.save(
+            state, warmup_norms=collected, count=count + finite.to(torch.float64), mean=mean_out, var=var_out
+        )
         coef = torch.where(warming, warm_coef, coef_after)
         ctx.emit("zclip/z", torch.where(warming, torch.zeros_like(z), z))
-        ctx.emit("zclip/mean", mean_out)
-        ctx.emit("zclip/std", var_out.sqrt())
+        ctx.emit("zclip/mean", saved["mean"])  # the kept EMAs: on a step skip_nonfinite zeroed, those before it
+        ctx.emit("zclip/std", saved["var"].sqrt())
         _report(ctx, total, coef)
         return [coef] * len(stats)
 
