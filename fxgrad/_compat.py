@@ -675,24 +675,29 @@ def module_path(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
-def exported_class(module: torch.nn.Module) -> type | None:
+def exported_class(module: torch.nn.Module) -> type | str | None:
     """The class ``module`` was exported from, when ``torch.export.unflatten`` rebuilt it (the
-    stages ``torch.distributed.pipelining.pipeline()`` makes are such modules), or ``None``.
+    stages ``torch.distributed.pipelining.pipeline()`` makes are such modules): the class
+    itself, its qualified name when no imported module holds it (a program loaded in a
+    process that never imported the model's code), or ``None`` for other modules.
 
     An unflattened module is an ``InterpreterModule`` that keeps its original class's qualified
-    name in ``_ty``; the class is looked up as pickle would, among imported modules only."""
+    name in ``_ty``. The class is looked up in the ``__dict__`` of modules already imported:
+    never through ``getattr``, which would import a lazy package's submodule."""
     name = getattr(module, "_ty", None) if isinstance(module, _UNFLATTENED) else None
-    if not isinstance(name, str):
+    if not isinstance(name, str) or not name:
         return None
     parts = name.split(".")
-    for cut in range(len(parts) - 1, 0, -1):  # the longest imported prefix, then attributes
+    for cut in range(len(parts) - 1, 0, -1):  # the longest imported prefix, then its attributes
         found: Any = sys.modules.get(".".join(parts[:cut]))
         if found is None:
             continue
         for attribute in parts[cut:]:
-            found = getattr(found, attribute, None)
+            found = vars(found).get(attribute) if hasattr(found, "__dict__") else None
+        if found is None:  # not imported (yet), or out of reach (a class defined in a function)
+            return name
         return found if isinstance(found, type) and issubclass(found, torch.nn.Module) else None
-    return None
+    return name
 
 
 tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")

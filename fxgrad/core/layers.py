@@ -31,6 +31,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 
 from fxgrad import _compat
 from fxgrad.core import match
+from fxgrad.core.warn import CoverageWarning, warn
 
 SkipEntry = match.Key
 
@@ -201,8 +202,28 @@ def module_type(module: nn.Module) -> type:
     >>> norm = stage.get_submodule("1")
     >>> type(norm).__name__, module_type(norm).__name__
     ('InterpreterModule', 'LayerNorm')
+
+    A class fxgrad cannot find (its module not imported) is stood in for by a class of its
+    name, which string keys (``"*RMSNorm*"``) match and types do not, after a
+    ``CoverageWarning`` that says so.
     """
-    return _compat.exported_class(module) or type(module)
+    found = _compat.exported_class(module)
+    if isinstance(found, str):
+        return _stand_in(found)
+    return found or type(module)
+
+
+@functools.cache
+def _stand_in(qualified_name: str) -> type:
+    module_name, _, name = qualified_name.rpartition(".")
+    warn(
+        f"fxgrad: a layer of this model was exported from {qualified_name}, which is not imported in this "
+        f"process (a program torch.export.load loaded?): fxgrad matches it by its class name {name!r} alone, so "
+        "string keys (the skip list's '*LayerNorm*', '*RMSNorm*') reach it and module types (nn.LayerNorm for a "
+        "subclass of it) do not. Import the model's module before the first step to match it by type.",
+        CoverageWarning,
+    )
+    return type(name, (nn.Module,), {"__module__": module_name, "__qualname__": name})
 
 
 def validate_skip(skip: Iterable[SkipEntry]) -> tuple[SkipEntry, ...]:

@@ -22,6 +22,11 @@ from typing import Hashable, MutableSet
 
 import torch
 
+
+class CoverageWarning(UserWarning):
+    """A layer the policy targets gets no fxgrad treatment."""
+
+
 _FXGRAD = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INTERNAL = (_FXGRAD + os.sep, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 

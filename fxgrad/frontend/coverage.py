@@ -31,7 +31,7 @@ from fxgrad.core.layers import (
     model_rows,
 )
 from fxgrad.core.rule import Route, Transform, listed
-from fxgrad.core.warn import warn
+from fxgrad.core.warn import CoverageWarning, warn
 from fxgrad.frontend.graphs import GraphRegistry
 from fxgrad.frontend.plan import GraphPlan
 from fxgrad.passes.capture import CapturedGraph
@@ -39,10 +39,6 @@ from fxgrad.passes.capture import CapturedGraph
 
 class CoverageError(RuntimeError):
     """A cross-layer transform would see only part of the model's gradients."""
-
-
-class CoverageWarning(UserWarning):
-    """A layer the policy targets gets no fxgrad treatment."""
 
 
 @dataclasses.dataclass(frozen=True)
