@@ -1090,3 +1090,58 @@ def test_a_gradient_fsdp2_adds_into_through_its_local_tensor_has_changed():
         seen.record(params, grads)
         grads[0].zero_()  # a DTensor's own in-place op
         assert seen.changed(params, grads)
+
+
+def _steps_in_the_backward(model: nn.Module) -> None:
+    """torch's "optimizer in the backward" recipe: each parameter's own optimizer steps it
+    from a hook, as soon as its gradient is accumulated."""
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step(p: nn.Parameter) -> None:
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+
+
+IN_THE_BACKWARD = [
+    ("graph", fxgrad.clip_by_global_norm(1.0), functools.partial(ref.clip_global, max_norm=1.0)),
+    ("graph", fxgrad.clip_by_norm(0.5), functools.partial(ref.clip_per_layer, max_norm=0.5)),
+    ("step", fxgrad.clip_by_value(0.01), functools.partial(ref.clip_value, clip_value=0.01)),
+    ("step", fxgrad.clip_by_global_norm(1.0), None),
+    ("step", fxgrad.clip_by_norm(0.5), None),
+    ("step", fxgrad.zclip(warmup=2), None),
+]
+
+
+@pytest.mark.parametrize(
+    ("scope", "policy", "reference"),
+    IN_THE_BACKWARD,
+    ids=[f"{scope}-{policy!r}" for scope, policy, _ in IN_THE_BACKWARD],
+)
+def test_an_optimizer_stepped_inside_the_backward(scope, policy, reference):
+    """Graph scope applies the policy in the backward graph, before the hooks see the gradients:
+    exact. Step scope would run it at each parameter's step, on that gradient alone (a global
+    clip by that gradient's norm, zclip a step per parameter), silently: refused, but for
+    element-wise rules, which are exact (run eagerly: the step program would be built for each
+    parameter's layout, and stop after eight, blaming LayerDrop)."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    _steps_in_the_backward(model)
+    compiled = torch.compile(model, backend=fxgrad.backend(policy, compiler="aot_eager", scope=scope))
+    x = torch.randn(8, 16) * 3
+    if reference is None:
+        with pytest.raises(fxgrad.CoverageError, match="SGD.step\\(\\) ran inside a backward pass"):
+            compiled(x).pow(2).sum().backward()
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor a step program built for each parameter's layout
+        compiled(x).pow(2).sum().backward()
+    eager(x).pow(2).sum().backward()
+    reference(eager)
+    torch.optim.SGD(eager.parameters(), lr=0.1).step()
+    for actual, wanted in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-7)
+

@@ -124,6 +124,15 @@ DTENSOR_IN_GRAPH = (
     "optimizer.step() (docs/distributed.md, Tensor parallelism)"
 )
 
+MID_BACKWARD = (
+    "fxgrad: {who} ran inside a backward pass (an optimizer stepped from a gradient hook: the optimizer "
+    "in the backward), where step scope's policy {transform!r} reads the gradients written so far alone: "
+    "each parameter's step would apply it to its own gradient (a global clip by that gradient's norm, "
+    "stateful rules one step per parameter). Compile the model with scope='graph', where the backward "
+    "graph applies the policy before the hooks see the gradients, or step after backward() "
+    "(docs/distributed.md, An optimizer in the backward)"
+)
+
 EMPTY_LOAD = (
     "(the state given was empty). backend.state_dict() has no entries until the policy first runs (at the "
     "first backward in graph scope, the first optimizer.step() in step scope), and "
@@ -210,6 +219,7 @@ class Backend:
         self._policy_runs = PolicyRuns()  # ... and tells when a loop never lets it run
         self._programs = StepPrograms(compiler, keep_code)  # ... as compiled programs, by gradient layout
         self._step_runs = 0  # runs of the policy in step scope
+        self._told_mid_backward = False  # see _refuse_mid_backward
         self._folds = folding.Folds(  # see fold()
             transform,
             self._factors_left,
@@ -1074,6 +1084,9 @@ class Backend:
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self._drop_kept()
+        mid_backward = _compat.backward_pass_id() != -1  # an optimizer in the backward: a step per parameter
+        if mid_backward and any(leaf.reach != "element" for leaf in self.transform.leaves()):
+            self._refuse_mid_backward(optimizer)
         if optimizer is not None and optimizer not in self._first_step_seen:
             self._check_one_scale(optimizer, models)
         self._policy_runs.ran()
@@ -1085,13 +1098,24 @@ class Backend:
             self.store,
             scaler,
             self.registry.forward_order(),
-            self._programs,
+            None if mid_backward else self._programs,  # not a program for each parameter
             params,
             fold=bool(self._folds),
             update=functools.partial(self._updates.update, optimizer),
         )
         if ran is not None:
             self._updates.ran(optimizer)
+
+    def _refuse_mid_backward(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Refuse (warn once, with ``strict=False``) a step-scope run inside a backward pass, where
+        a policy reading more than one element at a time sees part of the gradients."""
+        who = "backend.step()" if optimizer is None else f"{type(optimizer).__name__}.step()"
+        message = MID_BACKWARD.format(who=who, transform=self.transform)
+        if self.strict:
+            raise CoverageError(message)
+        if not self._told_mid_backward:
+            self._told_mid_backward = True
+            warn(message, CoverageWarning)
 
     def _check_one_scale(self, optimizer: torch.optim.Optimizer, models: list[tuple[nn.Module, str]]) -> None:
         """Refuse (warn, with ``strict=False``) the first step of ``optimizer`` that runs the policy
