@@ -1145,3 +1145,21 @@ def test_an_optimizer_stepped_inside_the_backward(scope, policy, reference):
     for actual, wanted in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-7)
 
+
+def test_a_model_run_with_parameters_of_its_callers_is_reported_in_step_scope():
+    """``functional_call`` with ``nn.Parameter``s of the loop's own: no backward writes the
+    model's gradients, so step scope (which reads them) does nothing; the report said to call
+    ``backend.step()``, which the loop did."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1e-3), compiler="aot_eager", scope="step")
+    compiled = torch.compile(model, backend=backend)
+    params = {name: nn.Parameter(p.detach().clone()) for name, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(params.values(), lr=0.1)
+    with pytest.warns(fxgrad.CoverageWarning, match="runs with parameters that are not") as caught:
+        for _ in range(3):
+            optimizer.zero_grad()
+            torch.func.functional_call(compiled, params, (torch.randn(4, 16),)).pow(2).sum().backward()
+            backend.step(compiled)
+            optimizer.step()
+    assert "backend.step() after the last backward()" not in str(caught[0].message)

@@ -511,7 +511,12 @@ class Backend:
         if self.current_scope() == "step":
             self._writes.watch(probe)
             writes = self._writes
-            self._policy_runs.backward_started(probe, writes.holds_last_backward(probe), writes.written(probe))
+            self._policy_runs.backward_started(
+                probe,
+                writes.holds_last_backward(probe),
+                writes.written(probe),
+                ours=lambda: id(probe) in self._our_ids(),
+            )
         elif unwatched:
             self._writes.reaches(probe, self.registry.model_name(graph), graph)
 

@@ -218,11 +218,14 @@ class PolicyRuns:
         """Whether backwards need :meth:`backward_started`: the policy never ran, and nothing was said."""
         return not self._ran and not self._told
 
-    def backward_started(self, probe: nn.Parameter, accumulating: bool, written: bool = True) -> None:
+    def backward_started(
+        self, probe: nn.Parameter, accumulating: bool, written: bool = True, ours: Callable[[], bool] = lambda: True
+    ) -> None:
         """A backward reaches a compiled graph of which ``probe`` is a parameter; ``accumulating``:
         whether ``probe.grad`` still holds the previous backward's gradient; ``written``: whether
-        any backward wrote ``probe.grad`` (``torch.autograd.grad`` returns gradients instead).
-        Passes that write no ``.grad`` count only once the weights moved since the last one
+        any backward wrote ``probe.grad`` (``torch.autograd.grad`` returns gradients instead);
+        ``ours()``: whether ``probe`` is a parameter of the models (``functional_call`` swaps in
+        others). Passes that write no ``.grad`` count only once the weights moved since the last one
         counted: an adversarial attack's passes (``torch.autograd.grad`` of the input) before
         the first step leave them as they are, a loop that updates them itself does not."""
         if not self.watching:
@@ -236,7 +239,8 @@ class PolicyRuns:
         self._dropped[probe] = 0 if dropped is None or accumulating else dropped + 1
         if self._dropped[probe] >= 2 and not torch.distributed.is_initialized():
             self._told = True
-            warn(DROPPED if written else NOT_WRITTEN, CoverageWarning)  # at the backward
+            message = NOT_WRITTEN if not written else DROPPED if ours() else NOT_THE_MODELS
+            warn(message, CoverageWarning)  # at the backward
 
 
 DROPPED = (
@@ -245,6 +249,14 @@ DROPPED = (
     "then zeroed (an optimizer over copies of the parameters, fp32 master weights, is not one): the policy "
     "did nothing to them. Call backend.step() after the last backward() of each step, before the gradients "
     "are copied or the weights updated."
+)
+
+NOT_THE_MODELS = (
+    "fxgrad: scope='step' applies the policy to the .grad of the model's own parameters (model.parameters()), "
+    "and the compiled model runs with parameters that are not (torch.func.functional_call with tensors of your "
+    "own?): no backward writes the model's gradients, and neither optimizer.step() nor backend.step() finds any "
+    "to transform: the policy did nothing. scope='graph' transforms the gradients of the parameters the "
+    "forward used, inside the backward graph."
 )
 
 NOT_WRITTEN = (
