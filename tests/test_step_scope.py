@@ -1133,7 +1133,9 @@ def test_an_optimizer_stepped_inside_the_backward(scope, policy, reference):
     compiled = torch.compile(model, backend=fxgrad.backend(policy, compiler="aot_eager", scope=scope))
     x = torch.randn(8, 16) * 3
     if reference is None:
-        with pytest.raises(fxgrad.CoverageError, match="SGD.step\\(\\) ran inside a backward pass"):
+        with pytest.raises(
+            fxgrad.CoverageError, match="SGD.step\\(\\) ran inside a backward pass and steps part of the model"
+        ):
             compiled(x).pow(2).sum().backward()
         return
     with warnings.catch_warnings():
@@ -1163,3 +1165,22 @@ def test_a_model_run_with_parameters_of_its_callers_is_reported_in_step_scope():
             backend.step(compiled)
             optimizer.step()
     assert "backend.step() after the last backward()" not in str(caught[0].message)
+
+
+def test_an_optimizer_stepped_from_the_backwards_final_callback_is_not_refused():
+    """A step queued as the backward's final callback runs inside the pass, once every gradient
+    is there: the policy over the whole model is exact, as after ``backward()``."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.1), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = torch.compile(model, backend=backend)(x := torch.randn(8, 16))
+    out.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(optimizer.step))
+    with coverage_silent():
+        out.pow(2).sum().backward()
+    eager(x).pow(2).sum().backward()
+    ref.clip_global(eager, 0.1)
+    torch.optim.SGD(eager.parameters(), lr=0.1).step()
+    for actual, wanted in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-7)

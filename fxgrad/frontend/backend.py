@@ -125,12 +125,12 @@ DTENSOR_IN_GRAPH = (
 )
 
 MID_BACKWARD = (
-    "fxgrad: {who} ran inside a backward pass (an optimizer stepped from a gradient hook: the optimizer "
-    "in the backward), where step scope's policy {transform!r} reads the gradients written so far alone: "
-    "each parameter's step would apply it to its own gradient (a global clip by that gradient's norm, "
-    "stateful rules one step per parameter). Compile the model with scope='graph', where the backward "
-    "graph applies the policy before the hooks see the gradients, or step after backward() "
-    "(docs/distributed.md, An optimizer in the backward)"
+    "fxgrad: {optimizer}.step() ran inside a backward pass and steps part of the model (an optimizer in the "
+    "backward, stepped from each parameter's gradient hook), where step scope's policy {transform!r} reads "
+    "the gradients written so far alone: each parameter's step would apply it to its own gradient (a global "
+    "clip by that gradient's norm, stateful rules one step per parameter). Compile the model with "
+    "scope='graph', where the backward graph applies the policy before the hooks see the gradients, or step "
+    "after backward() (docs/distributed.md, An optimizer in the backward)"
 )
 
 EMPTY_LOAD = (
@@ -1089,8 +1089,8 @@ class Backend:
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self._drop_kept()
-        mid_backward = _compat.backward_pass_id() != -1  # an optimizer in the backward: a step per parameter
-        if mid_backward and any(leaf.reach != "element" for leaf in self.transform.leaves()):
+        part = optimizer is not None and self._steps_part_in_backward(optimizer, models, params)
+        if part and any(leaf.reach != "element" for leaf in self.transform.leaves()):
             self._refuse_mid_backward(optimizer)
         if optimizer is not None and optimizer not in self._first_step_seen:
             self._check_one_scale(optimizer, models)
@@ -1103,7 +1103,7 @@ class Backend:
             self.store,
             scaler,
             self.registry.forward_order(),
-            None if mid_backward else self._programs,  # not a program for each parameter
+            None if part else self._programs,  # not a program for each parameter
             params,
             fold=bool(self._folds),
             update=functools.partial(self._updates.update, optimizer),
@@ -1111,11 +1111,23 @@ class Backend:
         if ran is not None:
             self._updates.ran(optimizer)
 
-    def _refuse_mid_backward(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Refuse (warn once, with ``strict=False``) a step-scope run inside a backward pass, where
-        a policy reading more than one element at a time sees part of the gradients."""
-        who = "backend.step()" if optimizer is None else f"{type(optimizer).__name__}.step()"
-        message = MID_BACKWARD.format(who=who, transform=self.transform)
+    def _steps_part_in_backward(
+        self, optimizer: torch.optim.Optimizer, models: list[tuple[nn.Module, str]], params: list | None
+    ) -> bool:
+        """Whether ``optimizer`` steps while a backward pass runs and steps part of the models'
+        trainable parameters: an optimizer in the backward, stepped from each parameter's hook
+        before the others have their gradients. One that steps them all ran from the pass's final
+        callback (``queue_callback``), when every gradient is there."""
+        if _compat.backward_pass_id() == -1:
+            return False
+        stepped = stepped_ids(optimizer)
+        params = self._step.parameters(models) if params is None else params
+        return any(p.requires_grad and id(p) not in stepped for p in params)
+
+    def _refuse_mid_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse (warn once, with ``strict=False``) a step-scope run for an optimizer in the
+        backward, where a policy reading more than one element at a time sees one gradient."""
+        message = MID_BACKWARD.format(optimizer=type(optimizer).__name__, transform=self.transform)
         if self.strict:
             raise CoverageError(message)
         if not self._told_mid_backward:
