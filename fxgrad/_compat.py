@@ -61,6 +61,7 @@ __all__ = [
     "has_grad_hooks",
     "accumulated_leaves",
     "backward_pass_id",
+    "backward_computes",
     "compiled_backward_nodes",
     "layout_check",
     "may_record_grad",
@@ -745,6 +746,16 @@ def compiled_backward_nodes(outputs: Any) -> set:
         for t in tensors_in(outputs)
         if t.grad_fn is not None and type(t.grad_fn).__name__ == "CompiledFunctionBackward"
     }
+
+
+def backward_computes(leaf: torch.Tensor) -> bool:
+    """Whether the backward pass running now computes ``leaf``'s gradient: ``False`` for a
+    ``torch.autograd.grad`` of other tensors (an input's) or a ``backward(inputs=...)`` without
+    it; ``True`` where autograd cannot tell (``torch.autograd.grad`` of ``leaf`` itself)."""
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(leaf).node)
+    except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()"
+        return True
 
 
 def accumulated_leaves(node: Any) -> list[torch.Tensor | None]:

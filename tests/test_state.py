@@ -758,21 +758,30 @@ STATEFUL = {
 }
 
 
-def _attack_then_train(net, optimizer, x, y, weight, attack=True):
-    """FGSM adversarial training: a pass for the input's gradient only, then the step's backward."""
+def _input_gradient(net, x, y):
+    attacked = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(net(attacked), y), attacked)
+    return grad
+
+
+def _attack_then_train(net, optimizer, x, y, weight, attack="before"):
+    """FGSM adversarial training: a pass for the input's gradient only, then the step's backward;
+    ``attack="after"``: the input's gradient after the step's backward (a saliency map to log)."""
     optimizer.zero_grad()
-    if attack:
-        attacked = x.clone().requires_grad_(True)
-        (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(net(attacked), y), attacked)
-        x = (x + 0.1 * grad.sign()).detach()
+    if attack == "before":
+        x = (x + 0.1 * _input_gradient(net, x, y).sign()).detach()
     (torch.nn.functional.cross_entropy(net(x), y) * weight).backward()
+    if attack == "after":
+        _input_gradient(net, x, y)
 
 
+@pytest.mark.parametrize("attack", ["before", "after"])
 @pytest.mark.parametrize("policy", list(STATEFUL))
-def test_state_ignores_backward_passes_no_optimizer_steps(policy, compile_with):
-    """Adversarial training's attack pass runs the compiled backward too; its parameter
-    gradients are dropped, and so is the state it saved (it advanced twice a step). From the
-    first optimizer step on: before it, every pass moves the state (a loop may have no step)."""
+def test_state_ignores_backward_passes_no_optimizer_steps(policy, attack, compile_with):
+    """Adversarial training's attack pass runs the compiled backward too, as does a saliency
+    map's after the step's backward. They compute no gradient of the parameters, and save no
+    state (a pass after the backward took the state over: autoclip's threshold read a
+    thousand times the reference's; one before the first step moved it once)."""
     make_policy, make_reference = STATEFUL[policy]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
@@ -784,8 +793,8 @@ def test_state_ignores_backward_passes_no_optimizer_steps(policy, compile_with):
     for step in range(10):
         x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
         weight = 8.0 if step in (6, 8) else 1.0  # spikes the adaptive rules clip
-        _attack_then_train(compiled, optimizers[0], x, y, weight, attack=step > 0)
-        _attack_then_train(eager, optimizers[1], x, y, weight, attack=step > 0)
+        _attack_then_train(compiled, optimizers[0], x, y, weight, attack)
+        _attack_then_train(eager, optimizers[1], x, y, weight, attack)
         for reference_step in reference:
             reference_step(eager)
         assert_grads_close(model, eager)
@@ -876,7 +885,7 @@ def test_a_resumed_backend_keeps_attack_passes_out_of_the_state():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(6)]
     for step, (x, y) in enumerate(batches[:3]):
-        _attack_then_train(compiled, optimizer, x, y, 1.0, attack=step > 0)
+        _attack_then_train(compiled, optimizer, x, y, 1.0)
         optimizer.step()
     resumed = copy.deepcopy(model)
     resumed_backend = fxgrad.backend(policy, compiler="aot_eager")

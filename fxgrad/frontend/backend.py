@@ -182,7 +182,8 @@ class Backend:
         self.keep_code = keep_code
         self.scaler = _check_scaler(scaler, transform)
         self.scope = scope
-        self.store = StateStore(lambda: self.current_scope() == "graph")
+        self.store = StateStore(lambda: self.current_scope() == "graph", self._idle_pass)
+        self._pass_verdict = (-1, False)  # see _idle_pass
         self.registry = GraphRegistry()
         self._models: list[weakref.ref] = []  # models handed to torch.compile with it, or to step()
         self._graph_runs = 0  # calls of compiled forwards
@@ -519,6 +520,23 @@ class Backend:
             )
         elif unwatched:
             self._writes.reaches(probe, self.registry.model_name(graph), graph)
+
+    def _idle_pass(self) -> bool:
+        """Whether the backward pass running now computes the gradient of no compiled graph's
+        parameters (``torch.autograd.grad`` of an input: a saliency map, an attack; a
+        ``backward(inputs=...)`` without them): no step takes it, so its state saves are dropped.
+        Asked of each graph's first trainable parameter, once per pass."""
+        current = _compat.backward_pass_id()
+        if current == -1:
+            return False
+        if self._pass_verdict[0] != current:
+            firsts = (
+                next((t for p in graph.params if (t := p.tensor()) is not None and t.requires_grad), None)
+                for graph in self.registry.graphs
+            )
+            idle = not any(_compat.backward_computes(t) for t in firsts if t is not None)
+            self._pass_verdict = current, idle
+        return self._pass_verdict[1]
 
     def _note_pass(self, graph: CapturedGraph) -> None:
         """Graph scope, folded: note a backward through ``graph`` for :meth:`_holds_last_pass_alone`:

@@ -28,7 +28,10 @@ backend's models, or after a checkpoint's load), a group's save goes to a copy o
 buffer, which that pass's loads of the group read and the next commit keeps: the last pass
 to save a group before a step wins, and the others' saves are lost. Before, saves write the
 buffer (a loop that steps no ``torch.optim`` optimizer moves its state at each backward, as
-before); a step program writes it at the step anyway.
+before); a step program writes it at the step anyway. A pass that computes no gradient of the
+compiled graphs' parameters (``torch.autograd.grad`` of an input, before or after the step's
+backward; ``backward(inputs=...)`` without them) saves nothing, deferred or not, statistics
+included (the store's ``idle`` callback, :meth:`fxgrad.Backend._idle_pass`).
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ class Slots:
     Once ``deferring`` (see the module), groups save into a copy of the buffer until
     :meth:`commit` copies what they saved into it."""
 
-    def __init__(self, device: torch.device, deferring: bool = False) -> None:
+    def __init__(self, device: torch.device, deferring: bool = False, idle: Callable[[], bool] | None = None) -> None:
         self.device = device
+        self.idle = idle  # whether the backward pass now running is none of a step's: its saves are dropped
         self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}  # key -> (offset, shape)
         self._views: dict[str | tuple[int, int, bool], torch.Tensor] = {}  # of the buffer (or copy), by key or span
         with _compat.outside_dispatch_modes():
@@ -181,6 +185,8 @@ class Group:
 
     def save(self, value: torch.Tensor) -> None:
         slots = self.slots
+        if slots.idle is not None and slots.idle():
+            return
         if not slots.deferring:
             self._write(slots.buffer, value)
         else:
@@ -251,8 +257,9 @@ class StateStore:
     graph); graphs of one step (graph breaks) hold different layers.
     """
 
-    def __init__(self, defers: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, defers: Callable[[], bool] = lambda: False, idle: Callable[[], bool] | None = None) -> None:
         self._defers = defers  # whether saves may defer to a step (graph scope), see commit()
+        self._idle = idle  # whether the running backward pass computes no gradient a step takes (see the module)
         self._state: dict[torch.device, Slots] = {}
         self._stats: dict[torch.device, Slots] = {}
         self._groups: dict[tuple, Group] = {}
@@ -268,13 +275,14 @@ class StateStore:
 
     def group(self, label: str, entries: Sequence[Entry], device: torch.device) -> Group:
         """The group of ``entries`` (state), placing entries seen for the first time."""
-        return self._group(label, entries, device, self._state, self._pending, None, self._deferring)
+        return self._group(label, entries, device, self._state, self._pending, None, self._deferring, self._idle)
 
     def stats_group(self, keys: Sequence[str], device: torch.device, per_layer: dict[str, tuple[str, str]]) -> Group:
         """The group of 0-dim statistics ``keys``; ``per_layer`` maps those that are one
         layer's value of a statistic to ``(statistic, layer)``."""
         self._layer_stats.update(per_layer)
-        return self._group("stats", [(k, (), 0.0) for k in keys], device, self._stats, {}, self._stats_saved, False)
+        entries = [(k, (), 0.0) for k in keys]
+        return self._group("stats", entries, device, self._stats, {}, self._stats_saved, False, self._idle)
 
     def _group(
         self,
@@ -285,11 +293,12 @@ class StateStore:
         initial: dict[str, torch.Tensor],
         on_save: Callable[[Group], None] | None,
         deferring: bool,
+        idle: Callable[[], bool] | None = None,
     ) -> Group:
         keys = [key for key, _, _ in entries]
         found = self._groups.get((id(table), device, tuple(keys)))
         if found is None:
-            slots = table.setdefault(device, Slots(device, deferring))
+            slots = table.setdefault(device, Slots(device, deferring, idle))
             found = Group(label, slots, keys, slots.place(entries, initial), on_save)
             self._groups[(id(table), device, tuple(keys))] = found
         return found
