@@ -525,16 +525,14 @@ class Backend:
         """Whether the backward pass running now computes the gradient of no compiled graph's
         parameters (``torch.autograd.grad`` of an input: a saliency map, an attack; a
         ``backward(inputs=...)`` without them): no step takes it, so its state saves are dropped.
-        Asked of each graph's first trainable parameter, once per pass."""
+        Asked once per pass, of the graphs' trainable parameters until one is computed (the
+        first, in a pass that computes them)."""
         current = _compat.backward_pass_id()
         if current == -1:
             return False
         if self._pass_verdict[0] != current:
-            firsts = (
-                next((t for p in graph.params if (t := p.tensor()) is not None and t.requires_grad), None)
-                for graph in self.registry.graphs
-            )
-            idle = not any(_compat.backward_computes(t) for t in firsts if t is not None)
+            trainable = (t for graph in self.registry.graphs for p in graph.params if (t := p.tensor()) is not None)
+            idle = not any(_compat.backward_computes(t) for t in trainable if t.requires_grad)
             self._pass_verdict = current, idle
         return self._pass_verdict[1]
 
