@@ -898,3 +898,26 @@ def test_a_resumed_backend_keeps_attack_passes_out_of_the_state():
             opt.step()
     for key, value in backend.state_dict().items():
         torch.testing.assert_close(resumed_backend.state_dict()[key], value, msg=key)
+
+
+@pytest.mark.parametrize("how", ["torch.autograd.grad", "backward(inputs=...)"])
+def test_a_pass_that_computes_some_parameters_gradients_moves_the_state(how):
+    """A pass for the head's gradients alone (ANIL's inner loop, an update by hand) is a step's
+    pass: the state moves, though the graph's first parameter gets no gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    backend = fxgrad.backend(fxgrad.zclip(warmup=2), compiler="aot_eager", scope="graph")
+    compiled = backend.compile(model)
+    head = list(model[2].parameters())
+    for _ in range(3):
+        loss = compiled(torch.randn(8, 16)).pow(2).mean()
+        if how == "torch.autograd.grad":
+            grads = torch.autograd.grad(loss, head)
+        else:
+            loss.backward(inputs=head)
+            grads = [p.grad for p in head]
+        with torch.no_grad():
+            for p, g in zip(head, grads):
+                p -= 0.1 * g
+        model.zero_grad()
+    assert backend.state_dict()["0.zclip/count"] == 3
