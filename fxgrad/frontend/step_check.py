@@ -56,7 +56,9 @@ RECOMPILED = (
     "of a graph compiled by this backend ran: Dynamo ran the forward eagerly (as it does once a frame was "
     "recompiled torch._dynamo.config.recompile_limit times, e.g. once per new input shape; mark "
     'the dimension dynamic or raise the limit; or under torch.compiler.set_stance, "force_eager" '
-    'or "eager_then_compile" say), the original model was called instead of the compiled one, or '
+    'or "eager_then_compile" say; or after a torch.func transform of the compiled model, jvp or jacrev, '
+    "which Dynamo cannot trace and from then on runs eagerly), the original model was called instead of the "
+    "compiled one, or "
     "the model was compiled again with another backend (set_stance's force_backend too). The policy {transform!r} "
     "did not run on them."
 )
