@@ -183,7 +183,7 @@ class Backend:
         self.scaler = _check_scaler(scaler, transform)
         self.scope = scope
         self.store = StateStore(lambda: self.current_scope() == "graph", self._idle_pass)
-        self._pass_verdict = (-1, False)  # see _idle_pass
+        self._idle_asked, self._pass_idle = OncePerPass(), False  # see _idle_pass
         self.registry = GraphRegistry()
         self._models: list[weakref.ref] = []  # models handed to torch.compile with it, or to step()
         self._graph_runs = 0  # calls of compiled forwards
@@ -527,14 +527,12 @@ class Backend:
         ``backward(inputs=...)`` without them): no step takes it, so its state saves are dropped.
         Asked once per pass, of the graphs' trainable parameters until one is computed (the
         first, in a pass that computes them)."""
-        current = _compat.backward_pass_id()
-        if current == -1:
+        if _compat.backward_pass_id() == -1:
             return False
-        if self._pass_verdict[0] != current:
+        if self._idle_asked():
             trainable = (t for graph in self.registry.graphs for p in graph.params if (t := p.tensor()) is not None)
-            idle = not any(_compat.backward_computes(t) for t in trainable if t.requires_grad)
-            self._pass_verdict = current, idle
-        return self._pass_verdict[1]
+            self._pass_idle = not any(_compat.backward_computes(t) for t in trainable if t.requires_grad)
+        return self._pass_idle
 
     def _note_pass(self, graph: CapturedGraph) -> None:
         """Graph scope, folded: note a backward through ``graph`` for :meth:`_holds_last_pass_alone`:
