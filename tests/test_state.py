@@ -422,6 +422,24 @@ def test_an_overflow_in_some_layers_leaves_every_layers_state(policy):
         torch.testing.assert_close(after[key], state[key], msg=key)
 
 
+def _after_skip_nonfinite(rule, scope):
+    """``TwoBranches`` under ``chain(skip_nonfinite(), rule)``, and ``step(x, c)``: a backward
+    (``c``, the second branch's scale: ``one_inf()`` makes it non-finite), then
+    ``step_if_finite``, whose answer it returns, and ``zero_grad()``."""
+    model = TwoBranches()
+    backend = fxgrad.backend(fxgrad.chain(fxgrad.skip_nonfinite(), rule), compiler="aot_eager", scope=scope)
+    compiled = backend.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, c: torch.Tensor) -> bool:
+        compiled(x, c).backward()
+        stepped = fxgrad.step_if_finite(optimizer, backend)
+        optimizer.zero_grad()
+        return stepped
+
+    return model, backend, step
+
+
 @pytest.mark.parametrize("scope", ["graph", "step"])
 @pytest.mark.parametrize(
     "rule",
@@ -434,19 +452,12 @@ def test_a_step_skip_nonfinite_zeroed_leaves_the_state_of_the_rules_after_it(sco
     runs = []
     for skipped in (False, True):
         torch.manual_seed(0)
-        model = TwoBranches()
-        backend = fxgrad.backend(fxgrad.chain(fxgrad.skip_nonfinite(), rule), compiler="aot_eager", scope=scope)
-        compiled = backend.compile(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(6):
+        model, backend, step = _after_skip_nonfinite(rule, scope)
+        for i in range(6):
             x = torch.randn(4, 8)
-            if step == 3 and skipped:
-                compiled(x, one_inf()).backward()
-                assert not fxgrad.step_if_finite(optimizer, backend)
-                optimizer.zero_grad()
-            compiled(x, torch.ones(8)).backward()
-            assert fxgrad.step_if_finite(optimizer, backend)
-            optimizer.zero_grad()
+            if i == 3 and skipped:
+                assert not step(x, one_inf())
+            assert step(x, torch.ones(8))
         state = {k: v for k, v in backend.state_dict().items() if "skip_nonfinite" not in k}
         runs.append((state, [p.detach().clone() for p in model.parameters()]))
     (state, weights), (state_skipped, weights_skipped) = runs
@@ -472,17 +483,11 @@ def test_a_step_skip_nonfinite_zeroed_reports_the_kept_state(scope, rule):
     """The statistics that show a rule's state read what it kept on a zeroed step, not its
     update by a zero norm (zclip's mean read 0.9 of the kept one, autoclip's threshold less)."""
     torch.manual_seed(0)
-    model = TwoBranches()
-    backend = fxgrad.backend(fxgrad.chain(fxgrad.skip_nonfinite(), rule), compiler="aot_eager", scope=scope)
-    compiled = backend.compile(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, backend, step = _after_skip_nonfinite(rule, scope)
     for _ in range(4):
-        compiled(torch.randn(4, 8), torch.ones(8)).backward()
-        assert fxgrad.step_if_finite(optimizer, backend)
-        optimizer.zero_grad()
+        assert step(torch.randn(4, 8), torch.ones(8))
     before = backend.stats()
-    compiled(torch.randn(4, 8), one_inf()).backward()
-    assert not fxgrad.step_if_finite(optimizer, backend)
+    assert not step(torch.randn(4, 8), one_inf())
     after = backend.stats()
     assert after["nonfinite_step"] == 1
     for key in KEPT_STATISTICS[rule.name]:
