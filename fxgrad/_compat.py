@@ -61,6 +61,7 @@ __all__ = [
     "has_grad_hooks",
     "accumulated_leaves",
     "backward_pass_id",
+    "running_autograd_node",
     "backward_computes",
     "compiled_backward_nodes",
     "layout_check",
@@ -735,6 +736,12 @@ def backward_pass_id() -> int:
     """The id of the backward pass running now (autograd's graph task), -1 outside one: hooks
     that fire in one ``backward()`` see the same id, and each pass a new one."""
     return torch._C._current_graph_task_id()
+
+
+def running_autograd_node() -> Any:
+    """The autograd node whose hooks run now, ``None`` between nodes: in a backward pass's
+    final callbacks (``queue_callback``), and outside one."""
+    return torch._C._current_autograd_node()
 
 
 def compiled_backward_nodes(outputs: Any) -> set:

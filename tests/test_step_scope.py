@@ -1148,6 +1148,19 @@ def test_an_optimizer_stepped_inside_the_backward(scope, policy, reference):
         torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-7)
 
 
+def test_an_optimizer_stepped_inside_the_backward_under_compiled_autograd_is_refused():
+    """Compiled autograd calls the parameters' hooks from its graph, outside any autograd node,
+    as a pass's final callbacks run: a step there is still one parameter's, refused."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    _steps_in_the_backward(model)
+    backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="step")
+    compiled = torch.compile(model, backend=backend)
+    with _compat.compiled_autograd(torch.compile(backend="aot_eager")):
+        with pytest.raises(fxgrad.CoverageError, match="SGD.step\\(\\) ran inside a backward pass"):
+            compiled(torch.randn(8, 16)).pow(2).sum().backward()
+
+
 def test_a_model_run_with_parameters_of_its_callers_is_reported_in_step_scope():
     """``functional_call`` with ``nn.Parameter``s of the loop's own: no backward writes the
     model's gradients, so step scope (which reads them) does nothing; the report said to call
@@ -1182,5 +1195,37 @@ def test_an_optimizer_stepped_from_the_backwards_final_callback_is_not_refused()
     eager(x).pow(2).sum().backward()
     ref.clip_global(eager, 0.1)
     torch.optim.SGD(eager.parameters(), lr=0.1).step()
+    for actual, wanted in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-7)
+
+
+def test_two_optimizers_stepped_from_the_backwards_final_callback_are_not_refused():
+    """Two optimizers over parts of one model (Muon for the matrices, AdamW for the rest),
+    stepped from the final callback: every gradient is there, so the first step runs the policy
+    over the whole model, as after ``backward()``. It was taken for an optimizer in the backward."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    eager = copy.deepcopy(model)
+    params = list(model.parameters())
+    optimizers = [torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[2:], lr=0.1)]
+    compiled = torch.compile(
+        model, backend=fxgrad.backend(fxgrad.clip_by_global_norm(0.1), compiler="aot_eager", scope="step")
+    )
+
+    def step() -> None:
+        for optimizer in optimizers:
+            optimizer.step()
+
+    for _ in range(3):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        out = compiled(x := torch.randn(8, 16))
+        out.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(step))
+        with coverage_silent():
+            out.pow(2).sum().backward()
+        eager.zero_grad()
+        eager(x).pow(2).sum().backward()
+        ref.clip_global(eager, 0.1)
+        torch.optim.SGD(eager.parameters(), lr=0.1).step()
     for actual, wanted in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-7)

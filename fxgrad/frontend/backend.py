@@ -1129,10 +1129,14 @@ class Backend:
         self, optimizer: torch.optim.Optimizer, models: list[tuple[nn.Module, str]], params: list | None
     ) -> bool:
         """Whether ``optimizer`` steps while a backward pass runs and steps part of the models'
-        trainable parameters: an optimizer in the backward, stepped from each parameter's hook
-        before the others have their gradients. One that steps them all ran from the pass's final
-        callback (``queue_callback``), when every gradient is there."""
+        trainable parameters from a node's hook: an optimizer in the backward, stepped from each
+        parameter's hook before the others have their gradients. Optimizers stepped from the
+        pass's final callback (``queue_callback``) run when every gradient is there, each over
+        all or part of the models, as after ``backward()``. Compiled autograd calls hooks from
+        its graph, outside any node: there, any step inside the pass counts."""
         if _compat.backward_pass_id() == -1:
+            return False
+        if _compat.running_autograd_node() is None and not _compat.compiled_autograd_running():
             return False
         stepped = stepped_ids(optimizer)
         params = self._step.parameters(models) if params is None else params
