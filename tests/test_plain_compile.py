@@ -487,6 +487,37 @@ def test_a_frozen_layer_the_policy_names_is_reported(policy, scope):
         train(model, compiled, steps=1, x=torch.randn(4, 8))
 
 
+@pytest.mark.parametrize(
+    "policy",
+    [
+        fxgrad.by_type({nn.Linear: fxgrad.clip_by_norm(1e-3)}),
+        fxgrad.by_name({"*": fxgrad.clip_by_norm(1e-3)}),
+        fxgrad.rescale(alpha=0.5, multipliers={"*": 3.0}),
+    ],
+    ids=["by_type", "by_name", "rescale_multiplier"],
+)
+@pytest.mark.parametrize("scope", ["graph", "step"])
+def test_a_key_that_reaches_the_adapters_says_nothing_of_the_frozen_base(policy, scope):
+    """``by_type({nn.Linear: ...})`` on a LoRA model names the frozen base's Linears and the
+    adapters': it acts on the adapters, so there is nothing to say about the base (every frozen
+    base layer of the model was listed, 225 of a 32-block Llama)."""
+    model = Adapted()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxgrad.CoverageWarning)
+        compiled = torch.compile(model, backend=fxgrad.backend(policy, scope=scope, compiler="aot_eager"))
+        train(model, compiled, steps=2, x=torch.randn(4, 8))
+
+
+def test_a_rule_that_reaches_only_a_frozen_layer_says_it_is_frozen():
+    """Routes cover frozen layers too (they may thaw): a rule idle on its one layer names it as
+    frozen, the reason it gets no gradient now."""
+    policy = fxgrad.by_name(
+        {"up": fxgrad.clip_by_norm(1.0), "down": fxgrad.clip_by_norm(1.0)}, default=fxgrad.rescale(0.5)
+    )
+    with pytest.warns(fxgrad.CoverageWarning, match=r"reaches only base \(frozen\): its 'mean' target"):
+        fxgrad.backend(policy, compiler="aot_eager").compile(Adapted())
+
+
 @pytest.mark.inductor
 def test_plain_inductor_loop_is_exact_and_silent():
     model = TwoOutputs()

@@ -91,11 +91,12 @@ class Transform:
         """Why routing keys (``by_type``, ``by_name``) that reach none of ``layers`` do not."""
         return []
 
-    def named(self, layers: Sequence[Layer]) -> set[str]:
-        """The names of ``layers`` that a key of the policy chose (a ``by_type``/``by_name`` key, a
-        ``rescale`` multiplier): a frozen one is a target the user named, where a rule over every
-        layer (or a router's default) simply finds no gradient on it, as ``clip_grad_norm_`` does."""
-        return set()
+    def named(self, layers: Sequence[Layer]) -> list[set[str]]:
+        """The names of ``layers`` each key of the policy chose, one set per key (a
+        ``by_type``/``by_name`` key, a ``rescale`` multiplier): a key that chose frozen layers
+        alone is a target the user named that gets no gradient, where a rule over every layer (or
+        a router's default) simply finds none on them, as ``clip_grad_norm_`` does."""
+        return []
 
 
 class Leaf(Transform):

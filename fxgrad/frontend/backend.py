@@ -39,8 +39,8 @@ from fxgrad.frontend.coverage import (
     CoverageCheck,
     CoverageError,
     CoverageWarning,
-    frozen_layers,
     frozen_named,
+    model_layers,
     policy_misses,
     refuse_flat_parameters,
     refuse_fsdp2_in_graph_scope,
@@ -995,7 +995,7 @@ class Backend:
             refuse_fsdp2_in_graph_scope(model)
         self.check_policy_reaches(model)
         if self.current_scope() == "step" and self.transform is not None:  # graph scope: per graph (CoverageCheck)
-            frozen = frozen_named(self.transform, frozen_layers(model, self.skip))
+            frozen = frozen_named(self.transform, *model_layers(model, self.skip))
             if frozen is not None:
                 warn(frozen, CoverageWarning)
         elsewhere = policed_elsewhere(model, self) if at_step else None

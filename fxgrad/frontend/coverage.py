@@ -174,8 +174,9 @@ def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model:
     layers = build_layers(trainable + frozen, (), skip)
     misses = transform.unmatched(layers) if transform is not None else []
     routes = transform.routes(layers) if transform is not None else []  # frozen ones too: they may thaw
+    held = {row.layer for row in trainable}
     misses += [
-        f"{route.leaf!r} reaches only {listed([layer.name for layer in route.layers], 5)}: {why}"
+        f"{route.leaf!r} reaches only {listed([_frozen_marked(layer, held) for layer in route.layers], 5)}: {why}"
         for route in routes
         if route.layers and (why := route.leaf.idle(route.layers))
     ]
@@ -187,11 +188,19 @@ def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model:
     return [f"fxgrad: in {type(model).__name__}, {miss}. It does nothing." for miss in misses]
 
 
-def frozen_named(transform: Transform, frozen: Sequence[Layer]) -> str | None:
-    """The warning for the ``frozen`` layers a key of ``transform`` names (they get no gradient,
-    so the key does nothing there), or ``None``. Not those a rule over every layer reaches: a
-    LoRA model's frozen base trains silently, as under ``clip_grad_norm_``."""
-    named = transform.named(frozen)
+def _frozen_marked(layer: Layer, trainable: set[str]) -> str:
+    """The layer's name, marked when it has no trainable parameter (it may thaw)."""
+    return layer.name if layer.name in trainable else f"{layer.name} (frozen)"
+
+
+def frozen_named(transform: Transform, trainable: Sequence[Layer], frozen: Sequence[Layer]) -> str | None:
+    """The warning for the ``frozen`` layers that keys of ``transform`` choosing no trainable
+    layer name (they get no gradient, so the key does nothing), or ``None``. Not those a rule
+    over every layer reaches, nor a key's that acts on trainable layers too: a LoRA model's
+    frozen base trains silently, as under ``clip_grad_norm_``, whether the policy names the
+    base's ``nn.Linear``s (and so its adapters') or not."""
+    idle = {layer.name for layer in frozen}
+    named = set().union(*(chosen for chosen in transform.named([*trainable, *frozen]) if chosen <= idle))
     targeted = [layer.name for layer in frozen if layer.name in named]
     if not targeted:
         return None
@@ -203,11 +212,11 @@ def frozen_named(transform: Transform, frozen: Sequence[Layer]) -> str | None:
     return f"fxgrad: {count} no gradient: {listed(targeted, 20)}"
 
 
-def frozen_layers(model: nn.Module, skip: Sequence[SkipEntry]) -> list[Layer]:
-    """The layers of ``model`` with no trainable parameter."""
+def model_layers(model: nn.Module, skip: Sequence[SkipEntry]) -> tuple[list[Layer], list[Layer]]:
+    """The layers of ``model`` with a trainable parameter, and those with none."""
     trainable, frozen = model_rows(model, "")
     held = {row.layer for row in trainable}
-    return build_layers([row for row in frozen if row.layer not in held], (), skip)
+    return build_layers(trainable, (), skip), build_layers([row for row in frozen if row.layer not in held], (), skip)
 
 
 def _grad_state(param: nn.Parameter) -> tuple:
@@ -355,7 +364,7 @@ class CoverageCheck:
             if not gap.fatal:
                 self.warn(f"fxgrad: {gap.describe()}{rnn_hint([layer for layer, _ in gap.layers])}")
         self._hooked(graph, plan)
-        message = frozen_named(self.transform, frozen)
+        message = frozen_named(self.transform, trainable, frozen)
         if message is not None:
             self.warn(message)
 

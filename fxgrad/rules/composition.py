@@ -32,8 +32,8 @@ class Chain(Transform):
     def unmatched(self, layers: Sequence[Layer]) -> list[str]:
         return [why for t in self.transforms for why in t.unmatched(layers)]
 
-    def named(self, layers: Sequence[Layer]) -> set[str]:
-        return set().union(*(t.named(layers) for t in self.transforms))
+    def named(self, layers: Sequence[Layer]) -> list[set[str]]:
+        return [chosen for t in self.transforms for chosen in t.named(layers)]
 
 
 def chain(*transforms: Transform) -> Chain:

@@ -156,8 +156,8 @@ class Rescale(ScaleLeaf):
         found = match.first_match(self.multipliers, layer, key_of=lambda pair: pair[0])
         return 1.0 if found is None else found[1]
 
-    def named(self, layers: Sequence[Layer]) -> set[str]:
-        return {layer.name for layer in layers if any(match.matches(key, layer) for key, _ in self.multipliers)}
+    def named(self, layers: Sequence[Layer]) -> list[set[str]]:
+        return [{layer.name for layer in layers if match.matches(key, layer)} for key, _ in self.multipliers]
 
     def unmatched(self, layers: Sequence[Layer]) -> list[str]:
         rescaled = [layer for layer in layers if layer.skip_reason is None]

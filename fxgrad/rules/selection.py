@@ -47,10 +47,10 @@ class _Router(Transform):
     def unrouted_leaves(self) -> list[Leaf]:
         return []
 
-    def named(self, layers: Sequence[Layer]) -> set[str]:
+    def named(self, layers: Sequence[Layer]) -> list[set[str]]:
         groups, rest = self._route(layers)
-        keyed = {layer.name for group in groups for layer in group}  # the default is no key: every other layer
-        return keyed | self.default.named(rest) if self.default is not None else keyed
+        keyed = [{layer.name for layer in group} for group in groups]  # the default is no key: every other layer
+        return keyed + self.default.named(rest) if self.default is not None else keyed
 
     def _route(self, layers: Sequence[Layer]) -> tuple[list[list[Layer]], list[Layer]]:
         """The non-skipped layers of each entry (first match wins), and the rest."""
