@@ -1161,6 +1161,24 @@ def test_an_optimizer_stepped_inside_the_backward_under_compiled_autograd_is_ref
             compiled(torch.randn(8, 16)).pow(2).sum().backward()
 
 
+def test_an_optimizer_in_the_backward_of_an_fsdp2_model_is_not_sent_to_graph_scope():
+    """FSDP2 runs each sharded parameter's hooks from its final callback, outside any autograd
+    node (a final callback's steps are not refused otherwise); the way out is stepping after
+    the backward: graph scope refuses a sharded model."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    with one_process_group():
+        model = models.MLP()
+        fully_shard(model)
+        _steps_in_the_backward(model)
+        backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="step")
+        compiled = torch.compile(model, backend=backend)
+        with pytest.raises(fxgrad.CoverageError, match="after backward\\(\\): FSDPMLP is sharded with FSDP2") as raised:
+            compiled(torch.randn(8, 16)).pow(2).sum().backward()
+    assert "scope='graph'" not in str(raised.value)
+
+
 def test_a_model_run_with_parameters_of_its_callers_is_reported_in_step_scope():
     """``functional_call`` with ``nn.Parameter``s of the loop's own: no backward writes the
     model's gradients, so step scope (which reads them) does nothing; the report said to call

@@ -40,6 +40,7 @@ from fxgrad.frontend.coverage import (
     CoverageError,
     CoverageWarning,
     frozen_named,
+    fsdp2_sharded,
     model_layers,
     policy_misses,
     refuse_flat_parameters,
@@ -128,9 +129,16 @@ MID_BACKWARD = (
     "fxgrad: {optimizer}.step() ran inside a backward pass and steps part of the model (an optimizer in the "
     "backward, stepped from each parameter's gradient hook), where step scope's policy {transform!r} reads "
     "the gradients written so far alone: each parameter's step would apply it to its own gradient (a global "
-    "clip by that gradient's norm, stateful rules one step per parameter). Compile the model with "
-    "scope='graph', where the backward graph applies the policy before the hooks see the gradients, or step "
-    "after backward() (docs/distributed.md, An optimizer in the backward)"
+    "clip by that gradient's norm, stateful rules one step per parameter). {remedy} (docs/distributed.md, An "
+    "optimizer in the backward)"
+)
+MID_BACKWARD_REMEDY = (
+    "Compile the model with scope='graph', where the backward graph applies the policy before the hooks see the "
+    "gradients, or step after backward()"
+)
+MID_BACKWARD_SHARDED = (
+    "Step after backward(): {model} is sharded with FSDP2's fully_shard ({where}), which runs each parameter's "
+    "hooks from the pass's final callback and which graph scope cannot police"
 )
 
 EMPTY_LOAD = (
@@ -1105,7 +1113,7 @@ class Backend:
         self._drop_kept()
         part = optimizer is not None and self._steps_part_in_backward(optimizer, models, params)
         if part and any(leaf.reach != "element" for leaf in self.transform.leaves()):
-            self._refuse_mid_backward(optimizer)
+            self._refuse_mid_backward(optimizer, models)
         if optimizer is not None and optimizer not in self._first_step_seen:
             self._check_one_scale(optimizer, models)
         self._policy_runs.ran()
@@ -1129,23 +1137,34 @@ class Backend:
         self, optimizer: torch.optim.Optimizer, models: list[tuple[nn.Module, str]], params: list | None
     ) -> bool:
         """Whether ``optimizer`` steps while a backward pass runs and steps part of the models'
-        trainable parameters from a node's hook: an optimizer in the backward, stepped from each
-        parameter's hook before the others have their gradients. Optimizers stepped from the
-        pass's final callback (``queue_callback``) run when every gradient is there, each over
-        all or part of the models, as after ``backward()``. Compiled autograd calls hooks from
-        its graph, outside any node: there, any step inside the pass counts."""
+        trainable parameters from a parameter's hook: an optimizer in the backward, stepped from
+        each parameter's hook before the others have their gradients. Optimizers stepped from
+        the pass's final callback (``queue_callback``), outside any autograd node, run when every
+        gradient is there, each over all or part of the models, as after ``backward()``. But
+        compiled autograd calls the hooks from its graph, and FSDP2 each sharded parameter's from
+        its own final callback, outside any node too: there any step inside the pass counts."""
         if _compat.backward_pass_id() == -1:
             return False
-        if _compat.running_autograd_node() is None and not _compat.compiled_autograd_running():
+        if (
+            _compat.running_autograd_node() is None
+            and not _compat.compiled_autograd_running()
+            and not any(fsdp2_sharded(model) for model, _ in models)
+        ):
             return False
         stepped = stepped_ids(optimizer)
         params = self._step.parameters(models) if params is None else params
         return any(p.requires_grad and id(p) not in stepped for p in params)
 
-    def _refuse_mid_backward(self, optimizer: torch.optim.Optimizer) -> None:
+    def _refuse_mid_backward(self, optimizer: torch.optim.Optimizer, models: list[tuple[nn.Module, str]]) -> None:
         """Refuse (warn once, with ``strict=False``) a step-scope run for an optimizer in the
         backward, where a policy reading more than one element at a time sees one gradient."""
-        message = MID_BACKWARD.format(optimizer=type(optimizer).__name__, transform=self.transform)
+        sharded = next(((model, where) for model, _ in models if (where := fsdp2_sharded(model))), None)
+        remedy = (
+            MID_BACKWARD_REMEDY
+            if sharded is None
+            else MID_BACKWARD_SHARDED.format(model=type(sharded[0]).__name__, where=sharded[1])
+        )
+        message = MID_BACKWARD.format(optimizer=type(optimizer).__name__, transform=self.transform, remedy=remedy)
         if self.strict:
             raise CoverageError(message)
         if not self._told_mid_backward:

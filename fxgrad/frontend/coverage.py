@@ -146,11 +146,7 @@ def refuse_fsdp2_in_graph_scope(model: nn.Module) -> None:
     """Raise ``ValueError`` if ``model`` holds FSDP2 modules (``fully_shard``): their forward
     gathers the parameters outside any compiled graph, so no backward graph holds a parameter
     and graph scope would do nothing. Step scope runs on the sharded ``.grad``."""
-    if not torch.distributed.is_available():
-        return
-    from torch.distributed.fsdp import FSDPModule
-
-    sharded = _where_held(model, FSDPModule)
+    sharded = fsdp2_sharded(model)
     if sharded is not None:
         raise ValueError(
             f"scope: {type(model).__name__} is sharded with FSDP2's fully_shard ({sharded}), "
@@ -158,6 +154,16 @@ def refuse_fsdp2_in_graph_scope(model: nn.Module) -> None:
             "holds them and the policy would do nothing. Use scope='step' (the default, 'auto', is step scope "
             "when torch.distributed has more than one process)"
         )
+
+
+def fsdp2_sharded(model: nn.Module) -> str | None:
+    """Where in ``model`` its first FSDP2 module (``fully_shard``) is, for a message; ``None``
+    if it has none."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return _where_held(model, FSDPModule)
 
 
 def _where_held(model: nn.Module, kind: type) -> str | None:
