@@ -474,8 +474,11 @@ def test_a_frozen_base_with_trainable_adapters_is_clipped_without_a_warning():
     [
         fxgrad.by_name({"base": fxgrad.clip_by_norm(1.0)}, default=fxgrad.clip_by_norm(2.0)),
         fxgrad.rescale(alpha=0.5, multipliers={"base": 3.0}),
+        fxgrad.by_type(
+            {nn.Linear: fxgrad.by_name({"base": fxgrad.clip_by_norm(1.0)}, default=fxgrad.clip_by_norm(2.0))}
+        ),
     ],
-    ids=["by_name", "rescale_multiplier"],
+    ids=["by_name", "rescale_multiplier", "nested_key"],
 )
 @pytest.mark.parametrize("scope", ["graph", "step"])
 def test_a_frozen_layer_the_policy_names_is_reported(policy, scope):

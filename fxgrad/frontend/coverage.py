@@ -179,13 +179,8 @@ def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model:
     trainable, frozen = model_rows(model, "")
     layers = build_layers(trainable + frozen, (), skip)
     misses = transform.unmatched(layers) if transform is not None else []
-    routes = transform.routes(layers) if transform is not None else []  # frozen ones too: they may thaw
-    held = {row.layer for row in trainable}
-    misses += [
-        f"{route.leaf!r} reaches only {listed([_frozen_marked(layer, held) for layer in route.layers], 5)}: {why}"
-        for route in routes
-        if route.layers and (why := route.leaf.idle(route.layers))
-    ]
+    if transform is not None:
+        misses += _idle_routes(transform, layers, {row.layer for row in trainable})
     misses += [
         f"skip entry {entry!r} matches no layer ({WHAT_IS_A_LAYER})"
         for entry in skip
@@ -194,8 +189,18 @@ def policy_misses(transform: Transform | None, skip: Sequence[SkipEntry], model:
     return [f"fxgrad: in {type(model).__name__}, {miss}. It does nothing." for miss in misses]
 
 
-def _frozen_marked(layer: Layer, trainable: set[str]) -> str:
-    """The layer's name, marked when it has no trainable parameter (it may thaw)."""
+def _idle_routes(transform: Transform, layers: Sequence[Layer], trainable: set[str]) -> list[str]:
+    """Why rules change no gradient of the layers they reach, frozen ones too: they may thaw
+    (gradual unfreezing), so a rule idle on the trainable ones alone is not (the message marks
+    the frozen ones)."""
+    return [
+        f"{route.leaf!r} reaches only {listed([_marked(layer, trainable) for layer in route.layers], 5)}: {why}"
+        for route in transform.routes(layers)
+        if route.layers and (why := route.leaf.idle(route.layers))
+    ]
+
+
+def _marked(layer: Layer, trainable: set[str]) -> str:
     return layer.name if layer.name in trainable else f"{layer.name} (frozen)"
 
 

@@ -50,7 +50,8 @@ class _Router(Transform):
     def named(self, layers: Sequence[Layer]) -> list[set[str]]:
         groups, rest = self._route(layers)
         keyed = [{layer.name for layer in group} for group in groups]  # the default is no key: every other layer
-        return keyed + self.default.named(rest) if self.default is not None else keyed
+        inner = [chosen for (_, t), group in zip(self.entries, groups) for chosen in t.named(group)]
+        return keyed + inner + (self.default.named(rest) if self.default is not None else [])
 
     def _route(self, layers: Sequence[Layer]) -> tuple[list[list[Layer]], list[Layer]]:
         """The non-skipped layers of each entry (first match wins), and the rest."""
