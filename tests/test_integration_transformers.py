@@ -128,6 +128,8 @@ def test_conflicting_arguments_raise(tmp_path):
         prepare(_gpt2(), policy, _args(tmp_path, gradient_checkpointing=True), scope="graph", compiler="aot_eager")
     _, picked = prepare(_gpt2(), policy, _args(tmp_path, gradient_checkpointing=True), compiler="aot_eager")
     assert picked.backend.current_scope() == "step"
+    with pytest.raises(ValueError, match=r"TrainingArguments\(torch_compile=True\) compiles the model a second"):
+        prepare(_gpt2(), policy, _args(tmp_path, torch_compile_backend="aot_eager"), compiler="aot_eager")
     with pytest.raises(ValueError, match=r"TrainingArguments\(fsdp=.*\) shards the parameters"):
         prepare(_gpt2(), policy, _args(tmp_path, fsdp=True), compiler="aot_eager")
     zero = _args(tmp_path)

@@ -87,7 +87,8 @@ class FxgradTrainerCallback(TrainerCallback):
             "torch_compile": (
                 args.torch_compile,
                 "compiles the model a second time, with a backend other than fxgrad's: leave torch_compile, "
-                "torch_compile_backend and torch_compile_mode unset (prepare() compiled the model)",
+                "torch_compile_backend and torch_compile_mode unset (setting either of the last two sets it); "
+                "fxgrad's backend compiles the model (prepare() or backend.compile)",
             ),
             "fsdp": (
                 bool(args.fsdp),
