@@ -777,6 +777,30 @@ def test_a_fixed_multiplier_under_adam_is_reported_as_cancelled(scope):
             train(model, make(model.parameters()), 2, backend=fxgrad.backend(policy, compiler="aot_eager", scope=scope))
 
 
+def torchao_named(name):
+    """A stand-in for torchao's low-bit Adam ``name`` (known by name: fxgrad does not import
+    torchao), an SGD underneath, so only the name can make fxgrad warn."""
+    return type(name, (torch.optim.SGD,), {"__module__": "torchao.optim.adam"})
+
+
+@pytest.mark.parametrize(
+    ("name", "weight_decay", "told"),
+    [("AdamW8bit", 0.01, True), ("AdamWFp8", 0.0, True), ("Adam4bit", 0.0, True), ("Adam8bit", 0.5, False)],
+)
+def test_torchaos_low_bit_adams_are_known_to_cancel_a_fixed_multiplier(name, weight_decay, told):
+    """torchao's 8-bit, 4-bit and float8 Adams divide by the running RMS as Adam does (a 3x stem
+    multiplier moved an MLP's weights by 0.02-0.12% under them over 10 steps, their own
+    quantization noise); its Adams without a W add the decay to the gradient, where it acts."""
+    model = mlp()
+    backend = fxgrad.backend(fxgrad.rescale(alpha=0, multipliers={"0": 3.0}), compiler="aot_eager", scope="step")
+    optimizer = torchao_named(name)(model.parameters(), lr=1e-2, weight_decay=weight_decay)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, optimizer, 2, backend=backend)
+    said = [str(w.message) for w in caught if "update divides the gradient by its running RMS" in str(w.message)]
+    assert bool(said) == told and all(f"{name}'s update divides" in message for message in said)
+
+
 def decay_on(params, layer):
     """Adam's parameter groups: L2 weight decay on ``layer`` of :func:`mlp`, none elsewhere."""
     params = list(params)

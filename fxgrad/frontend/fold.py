@@ -68,7 +68,13 @@ NORMALIZING = (
     torch.optim.Adafactor,
     torch.optim.SparseAdam,
 )
-NORMALIZING_ELSEWHERE = {"transformers.optimization.Adafactor"}  # by name: fxgrad does not import them
+# By name: fxgrad does not import them. torchao's keep Adam's state in 8 or 4 bits or float8.
+TORCHAO_COUPLED = {f"torchao.optim.adam.{name}" for name in ("Adam8bit", "Adam4bit", "AdamFp8")}
+NORMALIZING_ELSEWHERE = {
+    "transformers.optimization.Adafactor",
+    *(f"torchao.optim.adam.{name}" for name in ("AdamW8bit", "AdamW4bit", "AdamWFp8", "_AdamW")),
+    *TORCHAO_COUPLED,
+}
 SIGN_ONLY = (torch.optim.Rprop,)  # moves each weight by the sign of its gradient
 # Updates that add weight_decay * w to the gradient before they normalize it (unless a group says
 # decoupled_weight_decay, as AdamW's do): a factor on the gradient then changes its share, and acts.
@@ -155,7 +161,7 @@ def _own_factors(transform: Transform | None) -> tuple[list[Transform], list[Tra
 def coupled_decay(optimizer: torch.optim.Optimizer) -> set[int]:
     """The ids of the parameters whose update adds ``weight_decay * w`` to the gradient before
     it normalizes it (:data:`COUPLED_DECAY`): a gradient factor changes the decay's share there."""
-    if not isinstance(optimizer, COUPLED_DECAY):
+    if not isinstance(optimizer, COUPLED_DECAY) and match.key_repr(type(optimizer)) not in TORCHAO_COUPLED:
         return set()
     return {
         id(p)
