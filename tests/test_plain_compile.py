@@ -477,8 +477,9 @@ def test_a_frozen_base_with_trainable_adapters_is_clipped_without_a_warning():
         fxgrad.by_type(
             {nn.Linear: fxgrad.by_name({"base": fxgrad.clip_by_norm(1.0)}, default=fxgrad.clip_by_norm(2.0))}
         ),
+        fxgrad.rescale(alpha=0.5, multipliers={"up": 1.5, "[bu]*": 2.0}),  # "up" is the first key's
     ],
-    ids=["by_name", "rescale_multiplier", "nested_key"],
+    ids=["by_name", "rescale_multiplier", "nested_key", "rescale_first_match"],
 )
 @pytest.mark.parametrize("scope", ["graph", "step"])
 def test_a_frozen_layer_the_policy_names_is_reported(policy, scope):

@@ -19,7 +19,7 @@ types only and ``by_name`` strings only; ``skip`` and ``multipliers`` take both.
 from __future__ import annotations
 
 import fnmatch
-from typing import TYPE_CHECKING, Any, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeVar
 
 import torch.nn as nn
 
@@ -51,6 +51,21 @@ def matches(key: Key, layer: Layer) -> bool:
 def first_match(keys: Iterable[K], layer: Layer, key_of=lambda entry: entry) -> K | None:
     """The first of ``keys`` (or entries whose key is ``key_of(entry)``) that matches ``layer``."""
     return next((entry for entry in keys if matches(key_of(entry), layer)), None)
+
+
+def route_by_first_match(
+    keys: Sequence[K], layers: Iterable[Layer], key_of=lambda entry: entry
+) -> tuple[list[list[Layer]], list[Layer]]:
+    """The layers that each of ``keys`` matches first, and those none matches; layers the skip
+    list leaves alone in neither."""
+    groups: list[list[Layer]] = [[] for _ in keys]
+    rest: list[Layer] = []
+    for layer in layers:
+        if layer.skip_reason is not None:
+            continue
+        index = first_match(range(len(keys)), layer, key_of=lambda i: key_of(keys[i]))
+        (rest if index is None else groups[index]).append(layer)
+    return groups, rest
 
 
 def check_key(argument: str, key: Any, *, types: bool = True, patterns: bool = True, hint: str = "") -> Key:

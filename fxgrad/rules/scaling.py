@@ -157,7 +157,8 @@ class Rescale(ScaleLeaf):
         return 1.0 if found is None else found[1]
 
     def named(self, layers: Sequence[Layer]) -> list[set[str]]:
-        return [{layer.name for layer in layers if match.matches(key, layer)} for key, _ in self.multipliers]
+        groups, _ = match.route_by_first_match(self.multipliers, layers, key_of=lambda pair: pair[0])
+        return [{layer.name for layer in group} for group in groups]
 
     def unmatched(self, layers: Sequence[Layer]) -> list[str]:
         rescaled = [layer for layer in layers if layer.skip_reason is None]

@@ -55,14 +55,7 @@ class _Router(Transform):
 
     def _route(self, layers: Sequence[Layer]) -> tuple[list[list[Layer]], list[Layer]]:
         """The non-skipped layers of each entry (first match wins), and the rest."""
-        groups: list[list[Layer]] = [[] for _ in self.entries]
-        rest: list[Layer] = []
-        for layer in layers:
-            if layer.skip_reason is not None:
-                continue
-            index = match.first_match(range(len(self.entries)), layer, key_of=lambda i: self.entries[i][0])
-            (rest if index is None else groups[index]).append(layer)
-        return groups, rest
+        return match.route_by_first_match(self.entries, layers, key_of=lambda entry: entry[0])
 
     def unmatched(self, layers: Sequence[Layer]) -> list[str]:
         groups, rest = self._route(layers)
