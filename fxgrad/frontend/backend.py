@@ -1141,13 +1141,16 @@ class Backend:
         each parameter's hook before the others have their gradients. Optimizers stepped from
         the pass's final callback (``queue_callback``), outside any autograd node, run when every
         gradient is there, each over all or part of the models, as after ``backward()``. But
-        compiled autograd calls the hooks from its graph, and FSDP2 each sharded parameter's from
-        its own final callback, outside any node too: there any step inside the pass counts."""
+        compiled autograd calls the hooks from its graph, FSDP2 each sharded parameter's from its
+        own final callback, and DDP may step a bucket's optimizer from its own (a comm hook's
+        future, ``_apply_optimizer_in_backward``), outside any node too: there, and in any job of
+        more than one process, any step inside the pass counts."""
         if _compat.backward_pass_id() == -1:
             return False
         if (
             _compat.running_autograd_node() is None
             and not _compat.compiled_autograd_running()
+            and _compat.data_parallel_world_size() == 1
             and not any(fsdp2_sharded(model) for model, _ in models)
         ):
             return False
