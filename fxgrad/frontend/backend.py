@@ -126,11 +126,15 @@ DTENSOR_IN_GRAPH = (
 )
 
 MID_BACKWARD = (
-    "fxgrad: {optimizer}.step() ran inside a backward pass and steps part of the model (an optimizer in the "
-    "backward, stepped from each parameter's gradient hook), where step scope's policy {transform!r} reads "
-    "the gradients written so far alone: each parameter's step would apply it to its own gradient (a global "
-    "clip by that gradient's norm, stateful rules one step per parameter). {remedy} (docs/distributed.md, An "
-    "optimizer in the backward)"
+    "fxgrad: {optimizer}.step() ran inside a backward pass and steps part of the model ({how}), where step "
+    "scope's policy {transform!r} may read the gradients written so far alone: each parameter's step would apply "
+    "it to its own gradient (a global clip by that gradient's norm, stateful rules one step per parameter). "
+    "{remedy} (docs/distributed.md, An optimizer in the backward)"
+)
+MID_BACKWARD_HOOK = "an optimizer in the backward, stepped from each parameter's gradient hook"
+MID_BACKWARD_CALLBACK = (
+    "from the pass's final callback, which fxgrad cannot tell from a step of one part in a job of several "
+    "processes or under FSDP2: DDP and FSDP2 step a part from their own final callbacks"
 )
 MID_BACKWARD_REMEDY = (
     "Compile the model with scope='graph', where the backward graph applies the policy before the hooks see the "
@@ -1167,7 +1171,11 @@ class Backend:
             if sharded is None
             else MID_BACKWARD_SHARDED.format(model=type(sharded[0]).__name__, where=sharded[1])
         )
-        message = MID_BACKWARD.format(optimizer=type(optimizer).__name__, transform=self.transform, remedy=remedy)
+        hooked = _compat.running_autograd_node() is not None or _compat.compiled_autograd_running()
+        how = MID_BACKWARD_HOOK if hooked else MID_BACKWARD_CALLBACK
+        message = MID_BACKWARD.format(
+            optimizer=type(optimizer).__name__, transform=self.transform, how=how, remedy=remedy
+        )
         if self.strict:
             raise CoverageError(message)
         if not self._told_mid_backward:
