@@ -887,6 +887,26 @@ def test_a_module_compiled_with_another_policy_is_reported_once(scope, when):
     assert len([w for w in caught if "another fxgrad backend" in str(w.message)]) == 1
 
 
+def test_a_graph_scope_submodule_under_a_step_scope_model_gets_one_warning():
+    """A graph-scope backend on the encoder, ``backend.step(model)`` of another over the whole
+    model: the second policy changes the encoder's gradients after its backward returned them,
+    which the first backend reported again, with the encoder's own layer names ("0, 2")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16)), nn.Linear(16, 1))
+    model[0] = torch.compile(model[0], backend=fxgrad.backend(fxgrad.clip_by_norm(0.05), compiler="aot_eager"))
+    whole = fxgrad.backend(fxgrad.clip_by_global_norm(0.02), compiler="aot_eager", scope="step")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8)).pow(2).sum().backward()
+            whole.step(model)
+            optimizer.step()
+    told = [str(w.message) for w in caught if issubclass(w.category, fxgrad.CoverageWarning)]
+    assert len(told) == 1 and "is compiled with another fxgrad backend" in told[0]
+
+
 def test_step_of_a_model_checks_its_keys_and_names_layers_inside_data_parallel_wrappers():
     """backend.step(model) is the path of uncompiled, FSDP2 and tensor-parallel models: a key that
     matches nothing is reported there too, and DDP's ``module.`` does not prefix the layer names."""

@@ -1022,6 +1022,8 @@ class Backend:
                 "torch.compile when a callback or backend.step() holds it).",
                 CoverageWarning,
             )
+            if other._outside is not None:
+                other._outside.told()  # this policy is the change it would report, with its own layer names
 
     def _track(self, model: nn.Module | None) -> None:
         """A model this backend serves: hook ``optimizer.step()`` for it, and once it dies, drop
