@@ -205,11 +205,11 @@ def _marked(layer: Layer, trainable: set[str]) -> str:
 
 
 def frozen_named(transform: Transform, trainable: Sequence[Layer], frozen: Sequence[Layer]) -> str | None:
-    """The warning for the ``frozen`` layers that keys of ``transform`` choosing no trainable
-    layer name (they get no gradient, so the key does nothing), or ``None``. Not those a rule
-    over every layer reaches, nor a key's that acts on trainable layers too: a LoRA model's
-    frozen base trains silently, as under ``clip_grad_norm_``, whether the policy names the
-    base's ``nn.Linear``s (and so its adapters') or not."""
+    """The warning for the ``frozen`` layers named by keys of ``transform`` that choose no
+    trainable layer (they get no gradient, so such a key does nothing), or ``None``. Not those
+    a rule over every layer reaches, nor those of a key that acts on trainable layers too: a
+    LoRA model's frozen base trains silently, as under ``clip_grad_norm_``, whether the policy
+    names the base's ``nn.Linear``s (and so its adapters') or not."""
     idle = {layer.name for layer in frozen}
     named = set().union(*(chosen for chosen in transform.named([*trainable, *frozen]) if chosen <= idle))
     targeted = [layer.name for layer in frozen if layer.name in named]
