@@ -159,6 +159,44 @@ def test_conflicting_arguments_raise(tmp_path):
         FxgradTrainerCallback(policy)
 
 
+def test_checkpointing_turned_on_on_the_model_picks_step_scope(tmp_path):
+    """LoRA recipes call ``model.gradient_checkpointing_enable()`` and leave ``args`` alone: graph
+    scope then failed at the first step (Llama) with a message about eager frames."""
+    policy = fxgrad.clip_by_global_norm(1.0)
+    model = _gpt2()
+    model.gradient_checkpointing_enable()
+    _, callback = prepare(model, policy, _args(tmp_path), compiler="aot_eager")
+    assert callback.backend.current_scope() == "step"
+    model = _gpt2()
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"^model.gradient_checkpointing_enable\(\) breaks the graph"):
+        prepare(model, policy, _args(tmp_path), scope="graph", compiler="aot_eager")
+
+
+class PeftModel(torch.nn.Module):
+    """A stand-in for ``peft.PeftModel`` (fxgrad does not import peft): its forward takes
+    ``*args, **kwargs``, and the Trainer reads the base model's for the dataset's columns."""
+
+    __module__ = "peft.peft_model"
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_model = base
+
+    def get_base_model(self):
+        return self.base_model
+
+    def forward(self, *args, **kwargs):
+        return self.base_model(*args, **kwargs)
+
+
+def test_a_peft_models_hidden_signature_is_not_refused(tmp_path):
+    """``get_peft_model`` without a ``task_type`` gives a plain ``PeftModel``: the Trainer keeps the
+    columns its base model takes, so ``remove_unused_columns=True`` is fine (it was refused)."""
+    model, _ = prepare(PeftModel(_gpt2()), fxgrad.clip_by_global_norm(1.0), _args(tmp_path), compiler="aot_eager")
+    assert isinstance(model, PeftModel)
+
+
 def test_update_level_factor_acts_through_the_trainer(tmp_path):
     """apply_to="update" from the Trainer's optimizer step: under SGD it equals the same multiplier
     on the gradient (and so differs from no policy)."""

@@ -114,11 +114,13 @@ class FxgradTrainerCallback(TrainerCallback):
                 "sums several backwards, and scope='graph' transforms each one: use scope='step' (prepare(..., "
                 "args) picks it)",
             )
-            conflicts["gradient_checkpointing"] = (
-                args.gradient_checkpointing and self.backend.transform.reduces_across_layers(),
+            checkpointed = (
                 "breaks the graph at each checkpointed layer, and a cross-layer rule in scope='graph' would see "
-                "one layer at a time: use scope='step' (prepare(..., args) picks it)",
+                "one layer at a time: use scope='step' (prepare(..., args) picks it)"
             )
+            across = self.backend.transform.reduces_across_layers()
+            conflicts["gradient_checkpointing"] = (args.gradient_checkpointing and across, checkpointed)
+            conflicts["model.gradient_checkpointing_enable()"] = (_checkpointing(args, model) and across, checkpointed)
             conflicts["fp16"] = (
                 args.fp16,
                 "scales the loss with accelerate's GradScaler, which scope='graph' cannot read: use scope='step' "
@@ -126,7 +128,8 @@ class FxgradTrainerCallback(TrainerCallback):
             )
         for name, (conflict, why) in conflicts.items():
             if conflict:
-                raise ValueError(f"TrainingArguments({name}={getattr(args, name)!r}) {why}")
+                setting = f"TrainingArguments({name}={getattr(args, name)!r})" if hasattr(args, name) else name
+                raise ValueError(f"{setting} {why}")
 
     def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         self.check(args, kwargs.get("model"))
@@ -206,8 +209,9 @@ def prepare(
     With ``args``, it sets ``max_grad_norm=0`` when it has its default (1.0; the policy replaces the
     Trainer's clipping, and a ``UserWarning`` says so when the policy clips nothing); and with
     ``scope="auto"`` it picks ``scope="step"`` when ``gradient_accumulation_steps > 1``, ``fp16`` or
-    ``gradient_checkpointing`` (then the policy runs once per optimizer step on the accumulated, unscaled
-    gradient, whatever graph breaks checkpointing makes), else the in-graph scope.
+    ``gradient_checkpointing`` (in ``args``, or turned on on the model, as LoRA recipes do) (then the policy
+    runs once per optimizer step on the accumulated, unscaled gradient, whatever graph breaks checkpointing
+    makes), else the in-graph scope.
     A setting it cannot reconcile (another ``max_grad_norm``, ``torch_compile=True``, ``fsdp``, ``deepspeed``,
     ``scope="graph"`` with accumulation, ``fp16``, or checkpointing under a cross-layer rule) raises
     ``ValueError`` naming it, here or when the Trainer is built.
@@ -217,13 +221,13 @@ def prepare(
     """
     if not isinstance(policy, Transform):
         raise TypeError(f"policy must be an fxgrad transform such as fxgrad.clip_by_global_norm(1.0), got {policy!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if args is not None:
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
-        if scope == "auto" and (args.gradient_accumulation_steps > 1 or args.fp16 or args.gradient_checkpointing):
+        if scope == "auto" and (args.gradient_accumulation_steps > 1 or args.fp16 or _checkpointing(args, model)):
             scope = "step"
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     backend = Backend(policy, skip=skip, compiler=compiler, strict=strict, scope=scope)
     callback = FxgradTrainerCallback(backend, stats=stats, prefix=prefix)
     before = None if args is None else args.max_grad_norm
@@ -263,11 +267,29 @@ def _fingerprint(model: nn.Module) -> torch.Tensor:
         return torch.stack([p.detach().to(torch.float64).sum() for p in model.parameters()]).cpu()
 
 
+def _checkpointing(args: TrainingArguments, model: nn.Module | None) -> bool:
+    """Whether the Trainer's model runs with gradient checkpointing: asked by ``args``, or turned on
+    on the model (``model.gradient_checkpointing_enable()``, as LoRA recipes do)."""
+    return bool(args.gradient_checkpointing or getattr(model, "is_gradient_checkpointing", False))
+
+
 def _hides_signature(model: nn.Module) -> bool:
     """Whether ``model``'s forward takes only ``*args, **kwargs`` (a ``torch.compile`` wrapper's), so
-    that the Trainer cannot tell the dataset's columns it takes."""
+    that the Trainer cannot tell the dataset's columns it takes. For a PEFT model the Trainer reads
+    the base model's (a ``PeftModel``'s own forward takes ``*args, **kwargs``)."""
+    if _is_peft_model(model):
+        model = model.get_base_model()
     kinds = {p.kind for p in inspect.signature(model.forward).parameters.values()}
     return kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``peft`` ``PeftModel`` or ``PeftMixedModel``, as the Trainer asks (by
+    name: fxgrad does not import peft)."""
+    return any(
+        kind.__module__.split(".")[0] == "peft" and kind.__name__ in ("PeftModel", "PeftMixedModel")
+        for kind in type(model).__mro__
+    )
 
 
 def _default(args: TrainingArguments, name: str) -> Any:
