@@ -132,6 +132,11 @@ CASES = [
     (lambda: fxgrad.normalize(eps=1e-50), ValueError, "eps"),
     (lambda: fxgrad.multi_normalize(eps=1e-50), ValueError, "eps"),
     (lambda: fxgrad.rescale(alpha=0, multipliers={"a": 1e308}), ValueError, "multipliers"),
+    # thresholds: 1e-300 is 0 there (every gradient clipped to 0), 1e39 overflows at the first step
+    (lambda: fxgrad.clip_by_global_norm(1e-300), ValueError, "max_norm"),
+    (lambda: fxgrad.clip_by_norm(1e-300), ValueError, "max_norm"),
+    (lambda: fxgrad.clip_by_value(1e39), ValueError, "clip_value"),
+    (lambda: fxgrad.zclip(max_norm=1e-300), ValueError, "max_norm"),
     (lambda: fxgrad.rescale(alpha=1e39), ValueError, "alpha"),
     (lambda: fxgrad.scale_by_trust_ratio(trust_coefficient=1e39), ValueError, "trust_coefficient"),
     (lambda: fxgrad.chain(fxgrad.Transform()), TypeError, "chain() argument 0"),  # the base class
