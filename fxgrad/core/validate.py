@@ -31,20 +31,15 @@ def real_number(name: str, value: Any) -> float:
 
 
 def positive(name: str, value: Any, *, allow_inf: bool = True) -> float:
-    """A normal float32 number > 0, or ``inf`` unless ``allow_inf=False``. A threshold of 1e-300
-    was 0 on the device (every gradient clipped to 0), one of 1e39 overflowed at the first step."""
+    """A normal float32 number > 0, or ``inf`` unless ``allow_inf=False``: 1e-300 was 0 on the
+    device (a threshold that clipped every gradient to 0), 1e39 overflowed at the first step."""
     result = real_number(name, value)
-    if allow_inf and result <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    if allow_inf and not (result == math.inf or FLOAT32.tiny <= result <= FLOAT32.max):
+    if allow_inf and result == math.inf:
+        return result
+    if not FLOAT32.tiny <= result <= FLOAT32.max:
         raise ValueError(
-            f"{name} must be inf or a positive number float32 holds, from {FLOAT32.tiny:.4g} to "
-            f"{FLOAT32.max:.4g}, got {value!r}"
-        )
-    if not allow_inf and not FLOAT32.tiny <= result <= FLOAT32.max:
-        raise ValueError(
-            f"{name} must be a positive finite number, from {FLOAT32.tiny:.4g} to {FLOAT32.max:.4g} "
-            f"(float32 holds it), got {value!r}"
+            f"{name} must be {'inf or ' if allow_inf else ''}a positive finite number float32 holds, from "
+            f"{FLOAT32.tiny:.4g} to {FLOAT32.max:.4g}, got {value!r}"
         )
     return result
 
