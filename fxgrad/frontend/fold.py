@@ -68,12 +68,13 @@ NORMALIZING = (
     torch.optim.Adafactor,
     torch.optim.SparseAdam,
 )
-# By name: fxgrad does not import them. torchao's keep Adam's state in 8 or 4 bits or float8.
-TORCHAO_COUPLED = {f"torchao.optim.adam.{name}" for name in ("Adam8bit", "Adam4bit", "AdamFp8")}
+# The same, of other libraries, by name (fxgrad does not import them); torchao's keep Adam's
+# state in 8 or 4 bits or float8, and its Adams without a W couple the decay (COUPLED_DECAY).
+COUPLED_DECAY_ELSEWHERE = {f"torchao.optim.adam.{name}" for name in ("Adam8bit", "Adam4bit", "AdamFp8")}
 NORMALIZING_ELSEWHERE = {
     "transformers.optimization.Adafactor",
     *(f"torchao.optim.adam.{name}" for name in ("AdamW8bit", "AdamW4bit", "AdamWFp8", "_AdamW")),
-    *TORCHAO_COUPLED,
+    *COUPLED_DECAY_ELSEWHERE,
 }
 SIGN_ONLY = (torch.optim.Rprop,)  # moves each weight by the sign of its gradient
 # Updates that add weight_decay * w to the gradient before they normalize it (unless a group says
@@ -158,10 +159,15 @@ def _own_factors(transform: Transform | None) -> tuple[list[Transform], list[Tra
     return routed, [leaf for leaf in leaves if leaf.folds is None and leaf.apply_to == "grad"]
 
 
+def _one_of(optimizer: torch.optim.Optimizer, classes: tuple[type, ...], elsewhere: set[str]) -> bool:
+    """Whether ``optimizer`` is one of ``classes``, or of the classes named in ``elsewhere``."""
+    return isinstance(optimizer, classes) or match.key_repr(type(optimizer)) in elsewhere
+
+
 def coupled_decay(optimizer: torch.optim.Optimizer) -> set[int]:
     """The ids of the parameters whose update adds ``weight_decay * w`` to the gradient before
     it normalizes it (:data:`COUPLED_DECAY`): a gradient factor changes the decay's share there."""
-    if not isinstance(optimizer, COUPLED_DECAY) and match.key_repr(type(optimizer)) not in TORCHAO_COUPLED:
+    if not _one_of(optimizer, COUPLED_DECAY, COUPLED_DECAY_ELSEWHERE):
         return set()
     return {
         id(p)
@@ -201,7 +207,7 @@ def cancelled(
             f"rules only multiply gradient elements by factors > 0: {', '.join(map(repr, moot))}. The weights "
             f"move as without them. {fix}."
         )
-    if not isinstance(optimizer, NORMALIZING) and match.key_repr(type(optimizer)) not in NORMALIZING_ELSEWHERE:
+    if not _one_of(optimizer, NORMALIZING, NORMALIZING_ELSEWHERE):
         return None
     on_grads = [route for route in acting if route.leaf.apply_to == "grad"]  # not those scaling the update
     factors = [(route.leaf.fixed_factor(layer), layer.name) for route in on_grads for layer in route.layers]
