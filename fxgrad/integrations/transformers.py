@@ -120,7 +120,7 @@ class FxgradTrainerCallback(TrainerCallback):
             )
             across = self.backend.transform.reduces_across_layers()
             conflicts["gradient_checkpointing"] = (args.gradient_checkpointing and across, checkpointed)
-            conflicts["model.gradient_checkpointing_enable()"] = (_checkpointing(args, model) and across, checkpointed)
+            conflicts["model.gradient_checkpointing_enable()"] = (_checkpointed(model) and across, checkpointed)
             conflicts["fp16"] = (
                 args.fp16,
                 "scales the loss with accelerate's GradScaler, which scope='graph' cannot read: use scope='step' "
@@ -226,7 +226,8 @@ def prepare(
     if args is not None:
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
-        if scope == "auto" and (args.gradient_accumulation_steps > 1 or args.fp16 or _checkpointing(args, model)):
+        checkpointing = args.gradient_checkpointing or _checkpointed(model)
+        if scope == "auto" and (args.gradient_accumulation_steps > 1 or args.fp16 or checkpointing):
             scope = "step"
     backend = Backend(policy, skip=skip, compiler=compiler, strict=strict, scope=scope)
     callback = FxgradTrainerCallback(backend, stats=stats, prefix=prefix)
@@ -267,10 +268,10 @@ def _fingerprint(model: nn.Module) -> torch.Tensor:
         return torch.stack([p.detach().to(torch.float64).sum() for p in model.parameters()]).cpu()
 
 
-def _checkpointing(args: TrainingArguments, model: nn.Module | None) -> bool:
-    """Whether the Trainer's model runs with gradient checkpointing: asked by ``args``, or turned on
-    on the model (``model.gradient_checkpointing_enable()``, as LoRA recipes do)."""
-    return bool(args.gradient_checkpointing or getattr(model, "is_gradient_checkpointing", False))
+def _checkpointed(model: nn.Module | None) -> bool:
+    """Whether gradient checkpointing is turned on on the model itself
+    (``model.gradient_checkpointing_enable()``, as LoRA recipes do), not by ``TrainingArguments``."""
+    return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
 def _hides_signature(model: nn.Module) -> bool:
