@@ -157,6 +157,12 @@ COMPILERS = {"inductor": _compat.inductor_compile, "aot_eager": _compat.aot_eage
 SCOPES = ("auto", "graph", "step")
 
 
+def _in_a_hook() -> bool:
+    """Whether an autograd node's hook runs now (compiled autograd calls them from its graph),
+    rather than a backward pass's final callback or code outside a pass."""
+    return _compat.running_autograd_node() is not None or _compat.compiled_autograd_running()
+
+
 class Backend:
     """A ``torch.compile`` backend applying a gradient policy inside the backward graph.
 
@@ -1154,8 +1160,7 @@ class Backend:
         if _compat.backward_pass_id() == -1:
             return False
         if (
-            _compat.running_autograd_node() is None
-            and not _compat.compiled_autograd_running()
+            not _in_a_hook()
             and _compat.data_parallel_world_size() == 1
             and not any(fsdp2_sharded(model) for model, _ in models)
         ):
@@ -1173,8 +1178,7 @@ class Backend:
             if sharded is None
             else MID_BACKWARD_SHARDED.format(model=type(sharded[0]).__name__, where=sharded[1])
         )
-        hooked = _compat.running_autograd_node() is not None or _compat.compiled_autograd_running()
-        how = MID_BACKWARD_HOOK if hooked else MID_BACKWARD_CALLBACK
+        how = MID_BACKWARD_HOOK if _in_a_hook() else MID_BACKWARD_CALLBACK
         message = MID_BACKWARD.format(
             optimizer=type(optimizer).__name__, transform=self.transform, how=how, remedy=remedy
         )
