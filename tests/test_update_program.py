@@ -50,6 +50,14 @@ def step_lr(optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
 
 
+def weights_rtol(optimizer: torch.optim.Optimizer) -> float:
+    """torch's CPU kernel fuses multiply-adds (one rounding where the program has two), and momentum
+    carries the difference on: after 20 steps at lr 0.1, 1e-6 to 9e-6 of the weights, as far as the
+    unfolded step scope (policy, then torch's step) is from the eager reference; how far depends on
+    the CPU's vector units (1.8e-6 with AVX-512 where AVX2 gave under 1e-6)."""
+    return 1e-5 if any(group.get("momentum") for group in optimizer.param_groups) else 1e-6
+
+
 def folded_run(policy, make, steps=STEPS, scheduler=step_lr, expected_scaler=None, **kwargs):
     """``steps`` steps folded and the same unfolded on a copy (its GradScaler: ``expected_scaler``)."""
     torch.manual_seed(0)
@@ -80,11 +88,7 @@ def test_the_folded_update_equals_the_policy_then_the_fused_step(name, policy):
     the weights and the optimizer's state equal the unfolded path's, and no fused kernel of
     torch's updated a parameter (the step program did)."""
     model, expected, optimizer, expected_optimizer, calls = folded_run(POLICIES[policy], OPTIMIZERS[name])
-    # torch's CPU kernel fuses multiply-adds (one rounding where the program has two), and momentum
-    # carries the difference on: after 20 steps at lr 0.1, 1e-6 to 9e-6 of the weights, as far as the
-    # unfolded step scope (policy, then torch's step) is from the eager reference
-    rtol = 1e-5 if any(group.get("momentum") for group in optimizer.param_groups) else 1e-6
-    assert_same_weights(model, expected, rtol=rtol)
+    assert_same_weights(model, expected, rtol=weights_rtol(optimizer))
     state, expected_state = optimizer.state_dict()["state"], expected_optimizer.state_dict()["state"]
     assert state.keys() == expected_state.keys()
     for index, entry in expected_state.items():  # kept as torch keeps it; a moment of a bias that mostly
@@ -111,7 +115,7 @@ def test_a_grad_scaler_and_a_skipped_overflow_step(name, unscale):
         unscale=unscale,
     )
     assert scaler.get_scale() == expected_scaler.get_scale() < 2.0**10
-    assert_same_weights(model, expected)
+    assert_same_weights(model, expected, rtol=weights_rtol(optimizer))
     assert not calls
 
 
