@@ -354,6 +354,8 @@ def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
         raise TypeError(f"options must be a dict of Inductor settings, got {type(options).__name__}")
     known = inductor.config.get_config_copy()
     for key, value in options.items():
+        if not isinstance(key, str):
+            raise TypeError(f"options keys must be Inductor setting names (str), got {key!r}")
         name = key.replace("-", "_")
         if name not in known:
             raise ValueError(f"options: {key!r} is not an Inductor setting (see torch._inductor.list_options())")

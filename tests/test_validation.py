@@ -142,6 +142,17 @@ CASES = [
     (lambda: fxgrad.chain(fxgrad.Transform()), TypeError, "chain() argument 0"),  # the base class
     (lambda: fxgrad.backend().compile(nn.Linear(2, 2), dynamic="x"), TypeError, "dynamic"),
     (lambda: fxgrad.backend().compile(nn.Linear(2, 2), fullgraph="x"), TypeError, "fullgraph"),
+    # every method that takes a model, optimizer or scaler checks it first, not deep inside
+    (lambda: fxgrad.backend().compile(nn.Linear(2, 2), disable="x"), TypeError, "disable"),
+    (lambda: fxgrad.backend().compile(nn.Linear(2, 2), options={1: 2}), TypeError, "options"),
+    (lambda: fxgrad.backend(fxgrad.clip_by_global_norm(1.0)).transform_grads("m"), TypeError, "model"),
+    (lambda: fxgrad.backend().transform_grads("m"), TypeError, "model"),  # no policy: still checked
+    (lambda: fxgrad.backend().transform_grads(nn.Linear(2, 2), scaler="x"), TypeError, "scaler"),
+    (lambda: fxgrad.backend().transform_grads(nn.Linear(2, 2), optimizer="x"), TypeError, "optimizer"),
+    (lambda: fxgrad.backend(fxgrad.clip_by_global_norm(1.0)).check_policy_reaches("m"), TypeError, "model"),
+    (lambda: fxgrad.backend(fxgrad.Transform()), TypeError, "transform"),  # the base class: no routes
+    # alpha > 1 reverses the layers' order, and (T / 1e-7) ** alpha overflows for a layer without gradient
+    (lambda: fxgrad.rescale(alpha=1.5), ValueError, "alpha"),
 ]
 
 

@@ -11,10 +11,18 @@ import numbers
 from typing import Any
 
 import torch
+from torch import nn
 
 # The factories' finite numbers scale or divide float32 on the device, where they must stay
 # finite and nonzero: normalize(scale=1e308) was inf there, normalize(eps=1e-50) was 0.
 FLOAT32 = torch.finfo(torch.float32)
+
+
+def module(name: str, value: Any, hint: str = "") -> nn.Module:
+    """``value`` if it is an ``nn.Module``; ``TypeError`` otherwise (``hint``: what to pass instead)."""
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"{name} must be an nn.Module, got {type(value).__name__}{hint}")
+    return value
 
 
 def real_number(name: str, value: Any) -> float:

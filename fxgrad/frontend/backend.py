@@ -31,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fxgrad import _compat, passes
 from fxgrad.core import match, validate
 from fxgrad.core.layers import DEFAULT_SKIP, Layer, SkipEntry, validate_skip
-from fxgrad.core.rule import Transform, listed
+from fxgrad.core.rule import Transform, check_transform, listed
 from fxgrad.core.warn import warn
 from fxgrad.frontend import fold as folding
 from fxgrad.frontend import update_program
@@ -181,10 +181,8 @@ class Backend:
         scaler: Any = None,
         scope: str = "auto",
     ) -> None:
-        if transform is not None and not isinstance(transform, Transform):
-            raise TypeError(
-                f"transform must be an fxgrad transform or None, got {transform!r} ({type(transform).__name__})"
-            )
+        if transform is not None:
+            check_transform("transform", transform)
         validate.choice("scope", scope, SCOPES)
         validate.choice("compiler", compiler, tuple(COMPILERS))
         for name, flag in (("strict", strict), ("keep_code", keep_code)):
@@ -612,11 +610,7 @@ class Backend:
         process (a sweep, a test suite) counts against one shared
         ``recompile_limit``, so the ninth would run eagerly.
         """
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"model must be an nn.Module, got {type(model).__name__}; compile a function with "
-                "torch.compile(fn, backend=backend)"
-            )
+        validate.module("model", model, "; compile a function with torch.compile(fn, backend=backend)")
         if _compat.is_compiled_module(model):
             raise TypeError(
                 "model is a module torch.compile returned; pass the model itself (its _orig_mod): "
@@ -627,10 +621,12 @@ class Backend:
         patches = _compat.inductor_config_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
         if patches and self.compiler != "inductor":
             raise ValueError(f"mode= and options= configure Inductor; this backend has compiler={self.compiler!r}")
-        if not isinstance(in_place, bool):
-            raise TypeError(f"in_place must be True or False, got {in_place!r}")
-        if not isinstance(compile_kwargs.get("fullgraph", False), bool):
-            raise TypeError(f"fullgraph must be True or False, got {compile_kwargs['fullgraph']!r}")
+        for name, flag in (
+            ("in_place", in_place),
+            *((k, compile_kwargs.get(k, False)) for k in ("fullgraph", "disable")),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         if compile_kwargs.get("dynamic") not in (None, True, False):
             raise TypeError(f"dynamic must be None, True or False, got {compile_kwargs['dynamic']!r}")
         inner = _compat.unwrap_model(model)  # layers are named in the model inside DataParallel or DDP
@@ -691,6 +687,7 @@ class Backend:
     def check_policy_reaches(self, model: nn.Module) -> None:
         """Warn for each routing key, multiplier key or added skip entry that reaches no
         layer of ``model`` (each does nothing); compiling the model calls it."""
+        validate.module("model", model)
         for miss in policy_misses(self.transform, self.skip, model):
             warn(miss, CoverageWarning)
 
@@ -767,8 +764,8 @@ class Backend:
         ``model`` defaults to every model this backend compiled or stepped
         before. No host sync; see :mod:`fxgrad.frontend.step_scope`.
         """
-        if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if model is not None:
+            validate.module("model", model)
         if self.current_scope() != "step":
             raise RuntimeError(
                 "step() needs fxgrad.backend(..., scope='step'); this backend rewrites the backward graphs instead"
@@ -869,8 +866,7 @@ class Backend:
         to ``.grad``; ``.grad`` itself otherwise. In step scope the policy runs first if it has
         not run on these gradients (as :meth:`step` does, advancing its state): call it once the
         step's gradients are complete (after the last micro-batch), not between micro-batches."""
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        validate.module("model", model)
         if self._folds and self.current_scope() == "step" and self._step_models():
             self.step()
         return self._folds.as_applied({name: p for name, p in model.named_parameters() if p.grad is not None})
@@ -975,6 +971,10 @@ class Backend:
         ``optimizer``: the one about to step, which update-level factors (``apply_to="update"``)
         scale the step of, and whose update the step program runs if :meth:`fold` folded it.
         """
+        validate.module("model", model)
+        scaler = _scaler_type(scaler)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         if self.transform is None:
             return
         self._meet(model, at_step=True)
@@ -1339,14 +1339,21 @@ def _refuse_sparse(plan: GraphPlan, outputs: list[torch.fx.Node | None]) -> None
         )
 
 
-def _check_scaler(scaler: Any, transform: Transform | None) -> Any:
+def _scaler_type(scaler: Any) -> Any:
+    """``scaler`` if it scales (``None`` for ``GradScaler(enabled=False)``, or a CUDA scaler
+    without CUDA); ``TypeError`` for anything but a ``GradScaler`` or ``None``."""
     if scaler is None:
         return None
     if isinstance(scaler, type):
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got the class {scaler.__name__}: pass an instance")
     if not all(callable(getattr(scaler, name, None)) for name in ("unscale_", "update", "is_enabled")):
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-    if not scaler.is_enabled():  # GradScaler(enabled=False), or a CUDA scaler without CUDA: no scaling
+    return scaler if scaler.is_enabled() else None
+
+
+def _check_scaler(scaler: Any, transform: Transform | None) -> Any:
+    scaler = _scaler_type(scaler)
+    if scaler is None:
         return None
     leaves = transform.leaves() if transform is not None else []
     hiding = {leaf.name for leaf in leaves if leaf.hides_nonfinite}

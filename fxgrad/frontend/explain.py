@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from fxgrad import _compat
+from fxgrad.core import validate
 from fxgrad.core.layers import module_type, parameter_owners, skip_reason
 from fxgrad.frontend.backend import Backend
 from fxgrad.frontend.coverage import CoverageWarning
@@ -185,8 +186,7 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
         raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
     if not isinstance(kernels, bool):
         raise TypeError(f"kernels must be a bool, got {kernels!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    validate.module("model", model)
     model = _compat.unwrap_model(model)  # explain compiles the model inside a compiled or wrapped module itself
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("model has no parameter that requires grad: no gradient for a policy to act on")

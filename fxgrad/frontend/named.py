@@ -21,6 +21,7 @@ import torch.fx
 import torch.nn as nn
 
 from fxgrad import _compat
+from fxgrad.core import validate
 from fxgrad.frontend.backend import Backend
 from fxgrad.frontend.config import CONFIG_ENV, from_config, load
 from fxgrad.passes.capture import graph_model
@@ -60,8 +61,8 @@ def backend_for(options: dict | None = None, model: nn.Module | None = None) -> 
     ``model`` (default: the one that compiled a graph last), once a graph has been
     compiled with them. Options no backend could be built from raise as ``torch.compile``
     would (``ValueError``/``TypeError``), rather than read as "not compiled yet"."""
-    if model is not None and not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if model is not None:
+        validate.module("model", model)
     spec = _spec(options)
     if spec is None:
         if options:  # options the named backend refuses

@@ -28,7 +28,7 @@ import torch
 
 from fxgrad import _compat
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry
-from fxgrad.core.rule import Transform
+from fxgrad.core.rule import Transform, check_transform
 from fxgrad.frontend.backend import Backend
 from fxgrad.integrations import check_prefix, check_stats, selected_stats
 
@@ -70,10 +70,7 @@ class FxgradCallback(pl.Callback):
         stats: Iterable[str] = ("*",),
         prefix: str = "fxgrad/",
     ) -> None:
-        if not isinstance(policy, Transform):
-            raise TypeError(
-                f"policy must be an fxgrad transform such as fxgrad.clip_by_global_norm(1.0), got {policy!r}"
-            )
+        check_transform("policy", policy)
         # Step scope, run from on_before_optimizer_step by transform_grads: the hook Lightning gives for
         # code that reads the final gradients, whatever optimizer (or strategy) then steps.
         self.backend = Backend(policy, skip=skip, compiler=compiler, scope="step")

@@ -34,8 +34,9 @@ import torch.nn as nn
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from fxgrad.core import validate
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry
-from fxgrad.core.rule import Transform
+from fxgrad.core.rule import Transform, check_transform
 from fxgrad.core.warn import warn
 from fxgrad.frontend.backend import Backend
 from fxgrad.integrations import check_prefix, check_stats, selected_stats
@@ -219,10 +220,8 @@ def prepare(
     ``scope``, ``skip``, ``compiler`` and ``strict`` are :func:`fxgrad.backend`'s; ``stats`` and ``prefix``
     the callback's; ``compile_kwargs`` (``dynamic=``, ``mode=``, ...) go to :meth:`fxgrad.Backend.compile`.
     """
-    if not isinstance(policy, Transform):
-        raise TypeError(f"policy must be an fxgrad transform such as fxgrad.clip_by_global_norm(1.0), got {policy!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_transform("policy", policy)
+    validate.module("model", model)
     if args is not None:
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")

@@ -56,6 +56,7 @@ class Rescale(ScaleLeaf):
       matching key gives ``m_l`` (keys match as :mod:`fxgrad.core.match`
       says), default 1.
 
+    ``alpha`` is in [0, 1]: each layer's norm becomes ``m_l * T_l**alpha * n_l**(1 - alpha)``.
     ``alpha=0`` leaves only the multipliers (without one other than 1 the rule would do
     nothing: ``ValueError``). Skipped (norm) layers are untouched.
 
@@ -122,6 +123,12 @@ class Rescale(ScaleLeaf):
             for key, value in multipliers.items()
         )
         alpha = validate.non_negative("alpha", self.alpha)
+        if alpha > 1:
+            raise ValueError(
+                f"alpha must be in [0, 1], got {self.alpha!r}: a layer's norm becomes T**alpha * n**(1 - alpha), "
+                "from its own (0) to T (1); beyond 1 the smaller norms end larger, and (T / 1e-7)**alpha for a "
+                "layer without gradient overflows float32"
+            )
         if alpha == 0 and all(value == 1 for _, value in pairs):
             raise ValueError(
                 "alpha=0 leaves only the multipliers, and multipliers gives none other than 1: rescale would "
