@@ -185,6 +185,19 @@ def test_per_layer_policy_logs_its_stats_to_csv(tmp_path):
     assert float(rows[-1]["fxgrad/grad_norm/total_clipped"]) < float(rows[-1]["fxgrad/grad_norm/total"])
 
 
+def test_a_stats_pattern_that_matches_nothing_warns_once(tmp_path):
+    """A pattern no statistic has would log nothing for ever (a typo, a rule the policy lacks)."""
+    callback = FxgradCallback(fxgrad.clip_by_global_norm(0.2), compiler="aot_eager", stats=["grad_norm/*", "zclip/*"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(logger=pl.loggers.CSVLogger(tmp_path, name="run"), log_every=5, callbacks=[callback])
+    told = [str(w.message) for w in caught if "match no statistic" in str(w.message)]
+    assert told == [
+        "fxgrad: stats 'zclip/*' match no statistic of the policy, so nothing is logged for them; its statistics: "
+        "clip_coef, grad_norm/total, grad_norm/total_clipped"
+    ]
+
+
 class EveryOtherBatch(Regressor):
     """Manual optimization that steps on every second batch (accumulation written by hand)."""
 

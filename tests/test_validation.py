@@ -151,6 +151,10 @@ CASES = [
     (lambda: fxgrad.backend().transform_grads(nn.Linear(2, 2), optimizer="x"), TypeError, "optimizer"),
     (lambda: fxgrad.backend(fxgrad.clip_by_global_norm(1.0)).check_policy_reaches("m"), TypeError, "model"),
     (lambda: fxgrad.backend(fxgrad.Transform()), TypeError, "transform"),  # the base class: no routes
+    (lambda: fxgrad.backend().compile(nn.Linear(2, 2), dynamic=1), TypeError, "dynamic"),  # 1 == True
+    (lambda: fxgrad.explain(nn.ModuleList([nn.Linear(2, 2)]), backend=fxgrad.backend()), TypeError, "model"),
+    (lambda: fxgrad.backend(scaler=types.SimpleNamespace(unscale_=id, update=id, is_enabled=id)), TypeError, "scaler"),
+    (lambda: fxgrad.step_if_finite(torch.optim.SGD, fxgrad.backend(fxgrad.skip_nonfinite())), TypeError, "optimizer"),
     # alpha > 1 reverses the layers' order, and (T / 1e-7) ** alpha overflows for a layer without gradient
     (lambda: fxgrad.rescale(alpha=1.5), ValueError, "alpha"),
 ]

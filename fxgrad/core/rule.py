@@ -239,11 +239,13 @@ class Route:
         return f"{self.leaf!r} on [{shown}]"
 
 
-def check_transform(argument: str, value: Any) -> Transform:
-    """``value`` if it is a transform; ``TypeError`` naming ``argument`` otherwise."""
+def check_transform(argument: str, value: Any, optional: bool = False) -> Transform | None:
+    """``value`` if it is a transform (or ``None`` when ``optional``); ``TypeError`` naming ``argument`` otherwise."""
+    if optional and value is None:
+        return None
     if not isinstance(value, Transform) or type(value).routes is Transform.routes:  # the base class itself
         raise TypeError(
-            f"{argument} must be an fxgrad transform (e.g. fxgrad.clip_by_norm(1.0)), "
+            f"{argument} must be an fxgrad transform (e.g. fxgrad.clip_by_norm(1.0)){' or None' if optional else ''}, "
             f"got {value!r} ({type(value).__name__})"
         )
     return value

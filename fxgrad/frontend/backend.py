@@ -181,8 +181,7 @@ class Backend:
         scaler: Any = None,
         scope: str = "auto",
     ) -> None:
-        if transform is not None:
-            check_transform("transform", transform)
+        check_transform("transform", transform, optional=True)
         validate.choice("scope", scope, SCOPES)
         validate.choice("compiler", compiler, tuple(COMPILERS))
         for name, flag in (("strict", strict), ("keep_code", keep_code)):
@@ -627,7 +626,7 @@ class Backend:
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
-        if compile_kwargs.get("dynamic") not in (None, True, False):
+        if not isinstance(compile_kwargs.get("dynamic"), (bool, type(None))):  # 1 == True: torch asserts a bool
             raise TypeError(f"dynamic must be None, True or False, got {compile_kwargs['dynamic']!r}")
         inner = _compat.unwrap_model(model)  # layers are named in the model inside DataParallel or DDP
         self._adopt(inner)
@@ -1346,7 +1345,7 @@ def _scaler_type(scaler: Any) -> Any:
         return None
     if isinstance(scaler, type):
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got the class {scaler.__name__}: pass an instance")
-    if not all(callable(getattr(scaler, name, None)) for name in ("unscale_", "update", "is_enabled")):
+    if not isinstance(scaler, torch.amp.GradScaler):  # fxgrad reads its scale and found_inf (its subclasses' too)
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     return scaler if scaler.is_enabled() else None
 

@@ -188,6 +188,8 @@ def explain(model: nn.Module, *args: Any, backend: Backend, kernels: bool = Fals
         raise TypeError(f"kernels must be a bool, got {kernels!r}")
     validate.module("model", model)
     model = _compat.unwrap_model(model)  # explain compiles the model inside a compiled or wrapped module itself
+    if type(model).forward is nn.Module.forward:  # ModuleList, ModuleDict: nothing to run
+        raise TypeError(f"model must be a module with a forward(), and {type(model).__name__} has none")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("model has no parameter that requires grad: no gradient for a policy to act on")
     # A GradScaler has no scale before its first scaled backward, and this one is unscaled.

@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 
+from fxgrad.core.warn import warn
 from fxgrad.frontend.backend import Backend
 
 
@@ -36,11 +37,25 @@ def check_stats(stats: Iterable[str]) -> tuple[str, ...]:
     return patterns
 
 
-def selected_stats(backend: Backend, stats: tuple[str, ...], prefix: str) -> dict[str, torch.Tensor]:
-    """``backend.stats()`` whose names match a pattern of ``stats``, renamed ``prefix + name``; on the device."""
+def selected_stats(backend: Backend, stats: tuple[str, ...], prefix: str, told: set[str]) -> dict[str, torch.Tensor]:
+    """``backend.stats()`` whose names match a pattern of ``stats``, renamed ``prefix + name``; on the device.
+
+    Warns once per pattern (``told``: the patterns warned of) that matches no statistic, which
+    would log nothing for ever: the statistics exist from the policy's first run. The default
+    ``"*"`` over a policy that keeps none is no mistake."""
     if not stats:
         return {}
-    return {prefix + k: v for k, v in backend.stats().items() if any(fnmatch.fnmatchcase(k, p) for p in stats)}
+    values = backend.stats()
+    unmatched = [p for p in stats if p not in told and not any(fnmatch.fnmatchcase(k, p) for k in values)]
+    if unmatched and (values or stats != ("*",)):
+        told.update(unmatched)
+        kept = ", ".join(sorted(values)) or "none (fxgrad.monitor() keeps per-layer norms)"
+        warn(
+            f"fxgrad: stats {', '.join(map(repr, unmatched))} match no statistic of the policy, so nothing is "
+            f"logged for them; its statistics: {kept}",
+            UserWarning,
+        )
+    return {prefix + k: v for k, v in values.items() if any(fnmatch.fnmatchcase(k, p) for p in stats)}
 
 
 def check_prefix(prefix: str) -> str:

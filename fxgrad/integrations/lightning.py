@@ -75,6 +75,7 @@ class FxgradCallback(pl.Callback):
         # code that reads the final gradients, whatever optimizer (or strategy) then steps.
         self.backend = Backend(policy, skip=skip, compiler=compiler, scope="step")
         self.stats = check_stats(stats)
+        self._told: set[str] = set()  # stats patterns warned of as matching nothing
         self.prefix = check_prefix(prefix)
         self._unlogged = False  # whether the last optimizer step's statistics reached no row
 
@@ -163,7 +164,7 @@ class FxgradCallback(pl.Callback):
 
     def _log(self, pl_module: pl.LightningModule) -> None:
         self._unlogged = False
-        logged = selected_stats(self.backend, self.stats, self.prefix)
+        logged = selected_stats(self.backend, self.stats, self.prefix, self._told)
         if logged:
             pl_module.log_dict(logged, on_step=True, on_epoch=False)
 

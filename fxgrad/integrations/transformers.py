@@ -73,6 +73,7 @@ class FxgradTrainerCallback(TrainerCallback):
             raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
         self.backend = backend
         self.stats = check_stats(stats)
+        self._told: set[str] = set()  # stats patterns warned of as matching nothing
         self.prefix = check_prefix(prefix)
         self._resumed_without: tuple[int, str] | None = None  # a resumed run's step and where no state was
 
@@ -182,7 +183,7 @@ class FxgradTrainerCallback(TrainerCallback):
     def on_log(self, args: TrainingArguments, state: Any, control: Any, logs: dict | None = None, **kwargs) -> None:
         if logs is None or "loss" not in logs:  # evaluation and end-of-training entries
             return
-        stats = selected_stats(self.backend, self.stats, self.prefix)
+        stats = selected_stats(self.backend, self.stats, self.prefix, self._told)
         if not stats:
             return
         values = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # the sync, at logging steps only

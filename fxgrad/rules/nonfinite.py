@@ -146,7 +146,7 @@ def step_if_finite(optimizer: Any, backend: Any) -> bool:
     the device, which **costs one host sync** per call: the price of deciding
     on the host whether to step. Returns whether it stepped.
     """
-    if not callable(getattr(optimizer, "step", None)):
+    if isinstance(optimizer, type) or not callable(getattr(optimizer, "step", None)):
         raise TypeError(f"optimizer must be an optimizer, with step(), got {type(optimizer).__name__}")
     if not hasattr(backend, "store") or not callable(getattr(backend, "current_scope", None)):
         raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")

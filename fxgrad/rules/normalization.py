@@ -241,7 +241,7 @@ def _peakedness(stats: NormStats, layer: Layer) -> torch.Tensor:
 
 def _norm_list(name: str, norms) -> tuple[str, ...]:
     if isinstance(norms, str) or not isinstance(norms, Sequence) or not norms:
-        raise TypeError(f"{name} must be a non-empty tuple of norm names, got {norms!r}")
+        raise TypeError(f"{name} must be a non-empty tuple (or list) of norm names, got {norms!r}")
     return tuple(dict.fromkeys(validate.choice(f"{name} entries", norm, NORMS) for norm in norms))
 
 

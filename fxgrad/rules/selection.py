@@ -111,7 +111,7 @@ def _pattern(key: Any) -> str:
 
 
 def _default(default: Any) -> Transform | None:
-    return None if default is None else check_transform("default", default)
+    return check_transform("default", default, optional=True)
 
 
 def by_type(mapping: Mapping[type, Transform], default: Transform | None = None) -> ByType:
