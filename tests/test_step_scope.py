@@ -1199,6 +1199,23 @@ def test_an_optimizer_in_the_backward_of_an_fsdp2_model_is_not_sent_to_graph_sco
     assert "scope='graph'" not in str(raised.value) and "from the pass's final callback" in str(raised.value)
 
 
+@pytest.mark.parametrize("sharded", ["", "net.2"], ids=["root", "one-layer"])
+def test_a_model_sharded_with_fsdp2_after_graph_scope_compiled_it_is_refused_as_at_compile(sharded):
+    """Compiled first, then ``fully_shard``: graph scope's gaps (no graph reached the backend,
+    layers in no graph) were reported with Dynamo's causes, not FSDP2 and step scope."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    with one_process_group():
+        model = models.MLP()
+        backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), compiler="aot_eager", scope="graph")
+        compiled = torch.compile(model, backend=backend)
+        fully_shard(model.get_submodule(sharded))
+        with pytest.raises(ValueError, match="scope: .*MLP is sharded with FSDP2's fully_shard .*scope='step'"):
+            compiled(torch.randn(8, 16)).pow(2).sum().backward()
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
 def test_a_model_run_with_parameters_of_its_callers_is_reported_in_step_scope():
     """``functional_call`` with ``nn.Parameter``s of the loop's own: no backward writes the
     model's gradients, so step scope (which reads them) does nothing; the report said to call

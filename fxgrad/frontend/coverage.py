@@ -145,7 +145,9 @@ def refuse_flat_parameters(model: nn.Module) -> None:
 def refuse_fsdp2_in_graph_scope(model: nn.Module) -> None:
     """Raise ``ValueError`` if ``model`` holds FSDP2 modules (``fully_shard``): their forward
     gathers the parameters outside any compiled graph, so no backward graph holds a parameter
-    and graph scope would do nothing. Step scope runs on the sharded ``.grad``."""
+    and graph scope would do nothing. Step scope runs on the sharded ``.grad``. Checked when
+    the backend meets the model, and again before graph scope reports a gap (a model sharded
+    after it was compiled)."""
     sharded = fsdp2_sharded(model)
     if sharded is not None:
         raise ValueError(
@@ -339,6 +341,8 @@ class CoverageCheck:
 
     def graph(self, registry: GraphRegistry, graph: CapturedGraph, plan: GraphPlan, has_grad: set[int]) -> None:
         """Compare ``plan`` with what the policy targets across the model; warn or raise."""
+        for key in graph.roots():  # sharded after it was compiled: the gaps are FSDP2's, said as compile() says it
+            refuse_fsdp2_in_graph_scope(graph.root_refs[key]())
         trainable, frozen = registry.model_layers(graph, has_grad, self.skip)
         intended = self.transform.routes(trainable)
         gaps = find_gaps(
@@ -436,6 +440,7 @@ class CoverageCheck:
         ``suppress_errors``."""
         if not any(p.requires_grad for p in model.parameters()):
             return
+        refuse_fsdp2_in_graph_scope(model)  # sharded after it was compiled (its forward gathers outside the graphs)
         layers = build_layers(model_rows(model, "")[0], (), self.skip)
         name = type(model).__name__
         what = f"no graph of {name} reached the backend" if first else f"a forward of {name} ran no compiled graph"
