@@ -185,17 +185,39 @@ def test_per_layer_policy_logs_its_stats_to_csv(tmp_path):
     assert float(rows[-1]["fxgrad/grad_norm/total_clipped"]) < float(rows[-1]["fxgrad/grad_norm/total"])
 
 
-def test_a_stats_pattern_that_matches_nothing_warns_once(tmp_path):
-    """A pattern no statistic has would log nothing for ever (a typo, a rule the policy lacks)."""
-    callback = FxgradCallback(fxgrad.clip_by_global_norm(0.2), compiler="aot_eager", stats=["grad_norm/*", "zclip/*"])
+class Branching(Regressor):
+    """A head used on odd batches only: its per-layer statistics exist from the second step on."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.branch = nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return self.branch(loss.reshape(1, 1)).sum() if batch_idx % 2 else loss
+
+
+def _unmatched_warnings(tmp_path, policy, stats, make=Regressor) -> list[str]:
+    callback = FxgradCallback(policy, compiler="aot_eager", stats=stats)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _fit(logger=pl.loggers.CSVLogger(tmp_path, name="run"), log_every=5, callbacks=[callback])
-    told = [str(w.message) for w in caught if "match no statistic" in str(w.message)]
-    assert told == [
-        "fxgrad: stats 'zclip/*' match no statistic of the policy, so nothing is logged for them; its statistics: "
-        "clip_coef, grad_norm/total, grad_norm/total_clipped"
+        _fit(logger=pl.loggers.CSVLogger(tmp_path, name="run"), log_every=1, callbacks=[callback], make=make)
+    return [str(w.message) for w in caught if "no statistic of the policy" in str(w.message)]
+
+
+def test_a_stats_pattern_that_matches_nothing_warns_once_at_the_end(tmp_path):
+    """A pattern no statistic has would log nothing for ever (a typo, a rule the policy lacks)."""
+    assert _unmatched_warnings(tmp_path, fxgrad.clip_by_global_norm(0.2), ["grad_norm/*", "zclip/*"]) == [
+        "fxgrad: stats 'zclip/*' matched no statistic of the policy at any logging step, so nothing was logged for "
+        "them; its statistics now: clip_coef, grad_norm/total, grad_norm/total_clipped"
     ]
+
+
+def test_a_layer_whose_statistics_come_later_is_not_unmatched(tmp_path):
+    """Per-layer statistics exist for the layers that got a gradient in the latest step: the first
+    logged step has none of the branch's, the second has them."""
+    assert not _unmatched_warnings(tmp_path, fxgrad.monitor(), ["grad_norm/branch"], make=Branching)
+    assert not _unmatched_warnings(tmp_path, fxgrad.clip_by_norm(0.1), ["*"])  # keeps none: the default is no typo
 
 
 class EveryOtherBatch(Regressor):

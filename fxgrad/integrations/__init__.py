@@ -37,25 +37,41 @@ def check_stats(stats: Iterable[str]) -> tuple[str, ...]:
     return patterns
 
 
-def selected_stats(backend: Backend, stats: tuple[str, ...], prefix: str, told: set[str]) -> dict[str, torch.Tensor]:
-    """``backend.stats()`` whose names match a pattern of ``stats``, renamed ``prefix + name``; on the device.
+class StatsLog:
+    """Which of ``backend.stats()`` a callback logs (``patterns``, fnmatch), renamed ``prefix + name``,
+    and the patterns no logging step has matched yet.
 
-    Warns once per pattern (``told``: the patterns warned of) that matches no statistic, which
-    would log nothing for ever: the statistics exist from the policy's first run. The default
-    ``"*"`` over a policy that keeps none is no mistake."""
-    if not stats:
-        return {}
-    values = backend.stats()
-    unmatched = [p for p in stats if p not in told and not any(fnmatch.fnmatchcase(k, p) for k in values)]
-    if unmatched and (values or stats != ("*",)):
-        told.update(unmatched)
-        kept = ", ".join(sorted(values)) or "none (fxgrad.monitor() keeps per-layer norms)"
+    Per-layer statistics exist only for the layers that got a gradient in the latest step (a branch
+    taken on some steps, a layer unfrozen later), so a pattern is only known to log nothing once the
+    run is over: :meth:`tell_unmatched` at the end of training warns for those."""
+
+    def __init__(self, patterns: tuple[str, ...], prefix: str) -> None:
+        self.patterns, self.prefix = patterns, prefix
+        self.unmatched = set(patterns)
+        self.logged = False
+
+    def select(self, backend: Backend) -> dict[str, torch.Tensor]:
+        """The statistics to log now, on the device."""
+        if not self.patterns:
+            return {}
+        values = backend.stats()
+        self.logged = True
+        self.unmatched -= {p for p in self.unmatched if any(fnmatch.fnmatchcase(k, p) for k in values)}
+        return {self.prefix + k: v for k, v in values.items() if any(fnmatch.fnmatchcase(k, p) for p in self.patterns)}
+
+    def tell_unmatched(self, backend: Backend) -> None:
+        """Warn once for the patterns no logging step matched: they logged nothing (a typo, a rule the
+        policy lacks). The default ``"*"`` over a policy that keeps no statistic is no mistake."""
+        left = [p for p in self.patterns if p in self.unmatched]
+        if not self.logged or not left or (left == ["*"] and not backend.stats()):
+            return
+        self.unmatched -= set(left)
+        kept = ", ".join(sorted(backend.stats())) or "none (fxgrad.monitor() keeps per-layer norms)"
         warn(
-            f"fxgrad: stats {', '.join(map(repr, unmatched))} match no statistic of the policy, so nothing is "
-            f"logged for them; its statistics: {kept}",
+            f"fxgrad: stats {', '.join(map(repr, left))} matched no statistic of the policy at any logging step, "
+            f"so nothing was logged for them; its statistics now: {kept}",
             UserWarning,
         )
-    return {prefix + k: v for k, v in values.items() if any(fnmatch.fnmatchcase(k, p) for p in stats)}
 
 
 def check_prefix(prefix: str) -> str:

@@ -30,7 +30,7 @@ from fxgrad import _compat
 from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry
 from fxgrad.core.rule import Transform, check_transform
 from fxgrad.frontend.backend import Backend
-from fxgrad.integrations import check_prefix, check_stats, selected_stats
+from fxgrad.integrations import StatsLog, check_prefix, check_stats
 
 try:
     import lightning.pytorch as pl
@@ -75,8 +75,8 @@ class FxgradCallback(pl.Callback):
         # code that reads the final gradients, whatever optimizer (or strategy) then steps.
         self.backend = Backend(policy, skip=skip, compiler=compiler, scope="step")
         self.stats = check_stats(stats)
-        self._told: set[str] = set()  # stats patterns warned of as matching nothing
         self.prefix = check_prefix(prefix)
+        self._stats_log = StatsLog(self.stats, self.prefix)
         self._unlogged = False  # whether the last optimizer step's statistics reached no row
 
     def __repr__(self) -> str:
@@ -162,9 +162,12 @@ class FxgradCallback(pl.Callback):
         if self._unlogged and not pl_module.automatic_optimization and trainer.loggers and _writes_logs_now(trainer):
             self._log(pl_module)
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stats_log.tell_unmatched(self.backend)
+
     def _log(self, pl_module: pl.LightningModule) -> None:
         self._unlogged = False
-        logged = selected_stats(self.backend, self.stats, self.prefix, self._told)
+        logged = self._stats_log.select(self.backend)
         if logged:
             pl_module.log_dict(logged, on_step=True, on_epoch=False)
 

@@ -39,7 +39,7 @@ from fxgrad.core.layers import DEFAULT_SKIP, SkipEntry
 from fxgrad.core.rule import Transform, check_transform
 from fxgrad.core.warn import warn
 from fxgrad.frontend.backend import Backend
-from fxgrad.integrations import check_prefix, check_stats, selected_stats
+from fxgrad.integrations import StatsLog, check_prefix, check_stats
 
 __all__ = ["FxgradTrainerCallback", "prepare"]
 
@@ -73,8 +73,8 @@ class FxgradTrainerCallback(TrainerCallback):
             raise TypeError(f"backend must be an fxgrad.backend(...), got {type(backend).__name__}")
         self.backend = backend
         self.stats = check_stats(stats)
-        self._told: set[str] = set()  # stats patterns warned of as matching nothing
         self.prefix = check_prefix(prefix)
+        self._stats_log = StatsLog(self.stats, self.prefix)
         self._resumed_without: tuple[int, str] | None = None  # a resumed run's step and where no state was
 
     def check(self, args: TrainingArguments, model: nn.Module | None = None) -> None:
@@ -180,10 +180,13 @@ class FxgradTrainerCallback(TrainerCallback):
             )
         self._resumed_without = None
 
+    def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        self._stats_log.tell_unmatched(self.backend)
+
     def on_log(self, args: TrainingArguments, state: Any, control: Any, logs: dict | None = None, **kwargs) -> None:
         if logs is None or "loss" not in logs:  # evaluation and end-of-training entries
             return
-        stats = selected_stats(self.backend, self.stats, self.prefix, self._told)
+        stats = self._stats_log.select(self.backend)
         if not stats:
             return
         values = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # the sync, at logging steps only
