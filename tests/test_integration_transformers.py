@@ -74,6 +74,15 @@ def test_global_clip_matches_max_grad_norm(tmp_path, accumulate):
         assert entry["fxgrad/grad_norm/total_clipped"] == pytest.approx(max_norm, rel=1e-5)
 
 
+def test_a_stats_pattern_no_logging_step_matched_is_told_at_the_end(tmp_path):
+    args = _args(tmp_path)
+    model, callback = prepare(_gpt2(), fxgrad.clip_by_global_norm(0.5), args, compiler="aot_eager", stats=["zclip/*"])
+    trainer = Trainer(model=model, args=args, train_dataset=_data(), callbacks=[callback])
+    with pytest.warns(UserWarning, match=r"stats 'zclip/\*' matched no statistic of the policy at any logging step"):
+        trainer.train()
+    assert not any(key.startswith("fxgrad/") for entry in trainer.state.log_history for key in entry)
+
+
 @pytest.mark.parametrize("scope", ["graph", "step"])
 def test_a_trainer_that_clips_a_plainly_compiled_model_is_reported(tmp_path, scope):
     """Handed a model compiled with fxgrad.backend, without prepare(), the Trainer clips with its
