@@ -445,3 +445,35 @@ def assert_same_state(optimizer, model, expected_optimizer, expected):
         for key, value in expected_optimizer.state[expected_p].items():
             atol = 1e-4 * value.abs().max().item()
             torch.testing.assert_close(optimizer.state[p][key], value, rtol=1e-4, atol=atol, msg=key)
+
+
+def test_scaled_grads_of_a_folded_per_layer_policy_are_the_transformed_gradients():
+    """The step program runs the update (per-layer factors folded); ``scaled_grads()`` before the
+    step returned ``.grad`` before the policy (142x the clipped gradient of a layer). It runs the
+    policy then, and the optimizer's own step follows; the steps without it stay folded."""
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    policy, reference = POLICIES["per_layer_clip"]
+    backend = fxgrad.backend(policy(), compiler="aot_eager", scope="step")
+    compiled = torch.compile(model, backend=backend)
+    optimizer, expected_optimizer = (OPTIMIZERS["sgd_momentum"](m.parameters()) for m in (model, expected))
+    backend.fold(optimizer)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(4):
+        x = torch.randn(16, 8, generator=gen)
+        compiled(x).pow(2).mean().mul(30.0).backward()
+        expected(x).pow(2).mean().mul(30.0).backward()
+        reference(expected)
+        if step % 2 == 0:
+            scaled = backend.scaled_grads(model)
+            for name, p in expected.named_parameters():  # the weights carry the steps' rounding
+                atol = 1e-6 * p.grad.abs().max().item()
+                torch.testing.assert_close(scaled[name], p.grad, rtol=1e-5, atol=atol, msg=name)
+        with fused_calls() as calls:
+            optimizer.step()
+        assert bool(calls) == (step % 2 == 0)  # torch's own step after scaled_grads(); the program's else
+        expected_optimizer.step()
+        for opt in (optimizer, expected_optimizer):
+            opt.zero_grad()
+    assert_same_weights(model, expected, rtol=weights_rtol(optimizer))

@@ -864,9 +864,12 @@ class Backend:
         ``.grad`` times the folded factor until the folded step, which writes that product back
         to ``.grad``; ``.grad`` itself otherwise. In step scope the policy runs first if it has
         not run on these gradients (as :meth:`step` does, advancing its state): call it once the
-        step's gradients are complete (after the last micro-batch), not between micro-batches."""
+        step's gradients are complete (after the last micro-batch), not between micro-batches.
+        Where the step program runs a folded optimizer's update (per-layer factors), that run
+        writes the transformed gradients to ``.grad``, and the optimizer's own step follows, as
+        after :meth:`step`: this step is not folded."""
         validate.module("model", model)
-        if self._folds and self.current_scope() == "step" and self._step_models():
+        if (self._folds or self._updates.optimizers()) and self.current_scope() == "step" and self._step_models():
             self.step()
         return self._folds.as_applied({name: p for name, p in model.named_parameters() if p.grad is not None})
 
