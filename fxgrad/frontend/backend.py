@@ -869,7 +869,7 @@ class Backend:
         writes the transformed gradients to ``.grad``, and the optimizer's own step follows, as
         after :meth:`step`: this step is not folded."""
         validate.module("model", model)
-        if (self._folds or self._updates.optimizers()) and self.current_scope() == "step" and self._step_models():
+        if self.folded_into() and self.current_scope() == "step" and self._step_models():
             self.step()
         return self._folds.as_applied({name: p for name, p in model.named_parameters() if p.grad is not None})
 
