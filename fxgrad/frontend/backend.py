@@ -620,10 +620,8 @@ class Backend:
         patches = _compat.inductor_config_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
         if patches and self.compiler != "inductor":
             raise ValueError(f"mode= and options= configure Inductor; this backend has compiler={self.compiler!r}")
-        for name, flag in (
-            ("in_place", in_place),
-            *((k, compile_kwargs.get(k, False)) for k in ("fullgraph", "disable")),
-        ):
+        flags = {"in_place": in_place, **{k: compile_kwargs.get(k, False) for k in ("fullgraph", "disable")}}
+        for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         if not isinstance(compile_kwargs.get("dynamic"), (bool, type(None))):  # 1 == True: torch asserts a bool
