@@ -25,6 +25,13 @@ def module(name: str, value: Any, hint: str = "") -> nn.Module:
     return value
 
 
+def optimizer(name: str, value: Any) -> torch.optim.Optimizer:
+    """``value`` if it is a ``torch.optim.Optimizer``; ``TypeError`` otherwise."""
+    if not isinstance(value, torch.optim.Optimizer):
+        raise TypeError(f"{name} must be a torch.optim.Optimizer, got {type(value).__name__}")
+    return value
+
+
 def real_number(name: str, value: Any) -> float:
     """``value`` as a float; ``TypeError`` for bools, strings, tensors, ..."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

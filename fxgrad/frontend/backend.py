@@ -973,8 +973,8 @@ class Backend:
         """
         validate.module("model", model)
         scaler = _scaler_type(scaler)
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if optimizer is not None:
+            validate.optimizer("optimizer", optimizer)
         if self.transform is None:
             return
         self._meet(model, at_step=True)

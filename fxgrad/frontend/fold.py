@@ -45,7 +45,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 
 from fxgrad import _compat
-from fxgrad.core import match
+from fxgrad.core import match, validate
 from fxgrad.core.layers import Layer
 from fxgrad.core.rule import Transform
 from fxgrad.core.warn import warn, warn_once
@@ -87,8 +87,7 @@ _FOLDED_BY: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weak
 
 def check(optimizer: Any) -> None:
     """Refuse an optimizer no fold can ever apply to (``TypeError`` / ``ValueError``)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    validate.optimizer("optimizer", optimizer)
     if type(optimizer) not in FUSED:
         inner = getattr(optimizer, "optimizer", None)  # a framework's wrapper: Lightning Fabric's, accelerate's
         hint = (
