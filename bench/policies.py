@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import fxgrad
-from fxgrad.frontend.fold import per_layer
+from fxgrad.frontend.fold import not_factors, per_layer
 
 NORM_LAYERS = (nn.LayerNorm, nn.BatchNorm2d)
 
@@ -159,13 +159,14 @@ OPTIMIZERS = {
 
 def fold_scopes(transform: fxgrad.Transform, optimizer_name: str) -> tuple[str, ...]:
     """The scopes in which ``backend.fold`` folds the policy into the optimizer ``optimizer_name``:
-    any into the update the step program runs (step scope), a single global factor also into
-    a fused optimizer's ``grad_scale`` (graph scope)."""
+    any into the update the step program runs (step scope); in graph scope factors per layer
+    into the update a program runs, and a single global factor into a fused optimizer's
+    ``grad_scale``."""
     leaves = transform.leaves()
     if not optimizer_name.endswith("-fused"):
         return ()
     if per_layer(transform):
-        return ("step",)
+        return ("step",) if not_factors(transform) else ("step", "graph")
     if all(leaf.folds is not None for leaf in leaves) and any(leaf.folds == "global" for leaf in leaves):
         return ("step", "graph")
     return ()

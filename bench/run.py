@@ -15,9 +15,10 @@ compilation excluded:
   compiled autograd, as the rescaling article writes it;
 * ``fxgrad fold <policy>`` (with ``--optimizer adamw-fused``): step scope with
   ``backend.fold(optimizer)``: the policy runs in one step program with the update;
-  ``fxgrad fold <policy> graph`` (one global factor): the same in graph scope (the
-  backward reads the norms and returns the gradients unscaled, the factor rides in the
-  fused update's ``grad_scale``).
+  ``fxgrad fold <policy> graph`` (factors per layer or one global factor): the same in
+  graph scope (the backward reads the norms and returns the gradients unscaled; a global
+  factor rides in the fused update's ``grad_scale``, per-layer factors go to a program
+  that runs the update).
 
 Each variant's gradients after its first step (policy applied) must equal those of the
 same policy in eager PyTorch (``fxgrad`` and ``fxgrad step`` against ``eager``,

@@ -1,4 +1,5 @@
-"""``backend.fold(optimizer)`` with per-layer factors: the step program runs the fused update.
+"""``backend.fold(optimizer)`` with per-layer factors: a program runs the fused update, the
+policy's in step scope, and in graph scope with the factors the backward left per layer.
 
 The reference is the policy's eager reference, then torch's own fused step."""
 
@@ -40,10 +41,21 @@ POLICIES = {
     "agc": (lambda: fxgrad.adaptive_grad_clip(0.01), lambda m: ref.agc(m, 0.01)),  # reads the weights it updates
     "sinkhorn": (lambda: fxgrad.sinkhorn(iters=3), lambda m: ref.sinkhorn(m, iters=3)),
     "by_type_global_clip": (
-        lambda: fxgrad.by_type({nn.Linear: fxgrad.clip_by_global_norm(1e-2)}),
+        lambda: fxgrad.by_type({nn.Linear: fxgrad.clip_by_global_norm(1e-2)}),  # not the LayerNorm
         lambda m: nn.utils.clip_grad_norm_([p for i in (0, 2, 4) for p in m[i].parameters()], 1e-2),
     ),
+    "by_name_global_clips": (
+        lambda: fxgrad.by_name({"0": fxgrad.clip_by_global_norm(0.1)}, default=fxgrad.clip_by_global_norm(1e-2)),
+        lambda m: (
+            nn.utils.clip_grad_norm_(m[0].parameters(), 0.1),
+            nn.utils.clip_grad_norm_([p for i in (2, 4) for p in m[i].parameters()], 1e-2),  # routing skips norms
+        ),
+    ),
 }
+
+
+# the policies whose every change is a factor per layer: graph scope's backward leaves those to the update
+FACTORS = ("per_layer_clip", "rescale+global_clip", "by_type_global_clip", "by_name_global_clips")
 
 
 def step_lr(optimizer):
@@ -58,12 +70,12 @@ def weights_rtol(optimizer: torch.optim.Optimizer) -> float:
     return 1e-5 if any(group.get("momentum") for group in optimizer.param_groups) else 1e-6
 
 
-def folded_run(policy, make, steps=STEPS, scheduler=step_lr, expected_scaler=None, **kwargs):
+def folded_run(policy, make, steps=STEPS, scheduler=step_lr, expected_scaler=None, scope="step", **kwargs):
     """``steps`` steps folded and the same unfolded on a copy (its GradScaler: ``expected_scaler``)."""
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
-    backend = fxgrad.backend(policy[0](), compiler="aot_eager", scope="step", scaler=kwargs.get("scaler"))
+    backend = fxgrad.backend(policy[0](), compiler="aot_eager", scope=scope, scaler=kwargs.get("scaler"))
     optimizer = make(groups(model))
     sched = scheduler(optimizer) if scheduler else None
     with warnings.catch_warnings():
@@ -79,15 +91,21 @@ def folded_run(policy, make, steps=STEPS, scheduler=step_lr, expected_scaler=Non
 
 
 @pytest.mark.parametrize(
-    "name, policy",
+    "name, policy, scope",
     # SinkGD's unit-RMS gradients make SGD at lr 0.1 diverge, with or without the fold
-    [(name, policy) for name in OPTIMIZERS for policy in POLICIES if not (policy == "sinkhorn" and "sgd" in name)],
+    [
+        (name, policy, scope)
+        for scope in ("step", "graph")
+        for name in OPTIMIZERS
+        for policy in (POLICIES if scope == "step" else FACTORS)
+        if not (policy == "sinkhorn" and "sgd" in name)
+    ],
 )
-def test_the_folded_update_equals_the_policy_then_the_fused_step(name, policy):
+def test_the_folded_update_equals_the_policy_then_the_fused_step(name, policy, scope):
     """Two parameter groups (their own learning rate and weight decay) and a StepLR, 20 steps:
     the weights and the optimizer's state equal the unfolded path's, and no fused kernel of
-    torch's updated a parameter (the step program did)."""
-    model, expected, optimizer, expected_optimizer, calls = folded_run(POLICIES[policy], OPTIMIZERS[name])
+    torch's updated a parameter (the program did)."""
+    model, expected, optimizer, expected_optimizer, calls = folded_run(POLICIES[policy], OPTIMIZERS[name], scope=scope)
     assert_same_weights(model, expected, rtol=weights_rtol(optimizer))
     state, expected_state = optimizer.state_dict()["state"], expected_optimizer.state_dict()["state"]
     assert state.keys() == expected_state.keys()
@@ -99,9 +117,10 @@ def test_the_folded_update_equals_the_policy_then_the_fused_step(name, policy):
     assert not calls
 
 
+@pytest.mark.parametrize("scope", ["step", "graph"])
 @pytest.mark.parametrize("unscale", [False, True], ids=["scaler.step", "unscale_+step"])
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
-def test_a_grad_scaler_and_a_skipped_overflow_step(name, unscale):
+def test_a_grad_scaler_and_a_skipped_overflow_step(name, unscale, scope):
     """An overflow on step 4: torch's fused kernels leave the weights, the moments and the step
     count as they were; so does the folded update."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -113,20 +132,23 @@ def test_a_grad_scaler_and_a_skipped_overflow_step(name, unscale):
         expected_scaler=expected_scaler,
         nonfinite={4},
         unscale=unscale,
+        scope=scope,
     )
     assert scaler.get_scale() == expected_scaler.get_scale() < 2.0**10
     assert_same_weights(model, expected, rtol=weights_rtol(optimizer))
     assert not calls
 
 
-def test_grad_holds_what_the_fused_update_would_leave_there():
+@pytest.mark.parametrize("scope", ["step", "graph"])
+def test_grad_holds_what_the_fused_update_would_leave_there(scope):
     """Before the step, ``.grad`` is the gradient as backward left it (step scope runs the
-    policy at the step); after it, the policy's gradient, as torch's fused update leaves it; a
-    second step on the same gradients applies them again, as unfolded."""
+    policy at the step; graph scope's backward leaves the factors to it); after it, the policy's
+    gradient, as torch's fused update leaves it; a second step on the same gradients applies
+    them again, as unfolded."""
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
-    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope=scope)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     backend.fold(optimizer)
     expected_optimizer = torch.optim.SGD(expected.parameters(), lr=0.1, fused=True)
@@ -144,13 +166,19 @@ def test_grad_holds_what_the_fused_update_would_leave_there():
             torch.testing.assert_close(p.grad, e.grad, msg=name)
 
 
-def test_explain_says_the_step_program_runs_the_update():
+@pytest.mark.parametrize("scope", ["step", "graph"])
+def test_explain_says_a_program_runs_the_update(scope):
     model = mlp()
-    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope=scope)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     backend.fold(optimizer)
-    table = fxgrad.explain(model, torch.randn(4, 8), backend=backend).table()
-    assert "folded into AdamW: the step program runs AdamW's update" in table
+    report = fxgrad.explain(model, torch.randn(4, 8), backend=backend)
+    if scope == "step":
+        assert "folded into AdamW: the step program runs AdamW's update" in report.table()
+        return
+    assert "folded into AdamW: the backward leaves each layer's factor" in report.table()
+    for name, _ in model.named_parameters():  # the backward returns every gradient as it made it
+        assert f"'{name}': grad['{name}']," in report.inserted
 
 
 @pytest.mark.parametrize(
@@ -254,14 +282,19 @@ def test_a_folded_optimizer_that_takes_over_from_an_unfolded_one_folds_silently(
 
 
 @pytest.mark.inductor
-def test_the_folded_update_compiled_by_inductor_equals_the_unfolded_step():
-    """Under Inductor, against the same policy then torch's fused step (AGC reads the weights the
-    program then writes)."""
+@pytest.mark.parametrize("scope", ["step", "graph"])
+def test_the_folded_update_compiled_by_inductor_equals_the_unfolded_step(scope):
+    """Under Inductor, against the same policy then torch's fused step (in step scope AGC reads
+    the weights the program then writes; graph scope's backward leaves factors per layer)."""
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
-    policy = fxgrad.chain(fxgrad.adaptive_grad_clip(0.01), fxgrad.rescale(0.5, target=0.1), fxgrad.clip_by_norm(0.02))
-    folded, unfolded = (fxgrad.backend(policy, scope="step") for _ in range(2))
+    policy = fxgrad.chain(fxgrad.rescale(0.5, target=0.1), fxgrad.clip_by_norm(0.02))
+    # AGC folds in step scope only; beside a global clip too, Adam carries the two paths' rounding to 4e-6 of a bias
+    policy = fxgrad.chain(
+        fxgrad.adaptive_grad_clip(0.01) if scope == "step" else fxgrad.clip_by_global_norm(0.05), policy
+    )
+    folded, unfolded = (fxgrad.backend(policy, scope=scope) for _ in range(2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     folded.fold(optimizer)
     with fused_calls() as calls:
@@ -277,14 +310,16 @@ def test_the_folded_update_compiled_by_inductor_equals_the_unfolded_step():
 
 
 @pytest.mark.parametrize("registered", ["before fold()", "after fold()"])
-def test_an_optimizer_with_step_hooks_of_its_own_steps_itself(registered):
+@pytest.mark.parametrize("scope", ["step", "graph"])
+def test_an_optimizer_with_step_hooks_of_its_own_steps_itself(registered, scope):
     """A user's pre-hook that edits the gradients (or the learning rate) runs after fxgrad's
     global pre-hook: had the program run the update there, the edit would be lost. Such an
-    optimizer keeps its own step, after one warning; the hook acts as unfolded."""
+    optimizer keeps its own step, after one warning; the hook acts as unfolded (in graph scope
+    the factors the backward left are applied in a pass before it)."""
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
-    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope=scope)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
 
     def halve(optimizer, args, kwargs):
@@ -375,14 +410,15 @@ def test_sgd_with_a_tensor_momentum_keeps_its_own_step():
     assert backend.folded_into() == []
 
 
+@pytest.mark.parametrize("scope", ["step", "graph"])
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
-def test_a_resume_into_the_folded_optimizer_itself_updates_the_loaded_state(name):
+def test_a_resume_into_the_folded_optimizer_itself_updates_the_loaded_state(name, scope):
     """``load_state_dict`` on the folded optimizer (a resume in place) gives it new state tensors:
     the program updates those, not the ones it read at the steps before."""
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
-    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope=scope)
     optimizer, expected_optimizer = OPTIMIZERS[name](groups(model)), OPTIMIZERS[name](groups(expected))
     backend.fold(optimizer)
     for opt, m, kwargs in [
@@ -447,15 +483,18 @@ def assert_same_state(optimizer, model, expected_optimizer, expected):
             torch.testing.assert_close(optimizer.state[p][key], value, rtol=1e-4, atol=atol, msg=key)
 
 
-def test_scaled_grads_of_a_folded_per_layer_policy_are_the_transformed_gradients():
-    """The step program runs the update (per-layer factors folded); ``scaled_grads()`` before the
-    step returned ``.grad`` before the policy (142x the clipped gradient of a layer). It runs the
-    policy then, and the optimizer's own step follows; the steps without it stay folded."""
+@pytest.mark.parametrize("scope", ["step", "graph"])
+def test_scaled_grads_of_a_folded_per_layer_policy_are_the_transformed_gradients(scope):
+    """Step scope: the program runs the update; ``scaled_grads()`` before the step returned
+    ``.grad`` before the policy (142x the clipped gradient of a layer). It runs the policy then,
+    and the optimizer's own step follows; the steps without it stay folded. Graph scope: the
+    backward left each layer's factor, which ``scaled_grads()`` multiplies ``.grad`` by (no
+    policy runs), and every step stays folded."""
     torch.manual_seed(0)
     model = mlp()
     expected = copy.deepcopy(model)
-    policy, reference = POLICIES["per_layer_clip"]
-    backend = fxgrad.backend(policy(), compiler="aot_eager", scope="step")
+    policy, reference = POLICIES["rescale+global_clip"]
+    backend = fxgrad.backend(policy(), compiler="aot_eager", scope=scope)
     compiled = torch.compile(model, backend=backend)
     optimizer, expected_optimizer = (OPTIMIZERS["sgd_momentum"](m.parameters()) for m in (model, expected))
     backend.fold(optimizer)
@@ -472,8 +511,44 @@ def test_scaled_grads_of_a_folded_per_layer_policy_are_the_transformed_gradients
                 torch.testing.assert_close(scaled[name], p.grad, rtol=1e-5, atol=atol, msg=name)
         with fused_calls() as calls:
             optimizer.step()
-        assert bool(calls) == (step % 2 == 0)  # torch's own step after scaled_grads(); the program's else
+        # torch's own step after scaled_grads() in step scope; the program's else
+        assert bool(calls) == (scope == "step" and step % 2 == 0)
         expected_optimizer.step()
         for opt in (optimizer, expected_optimizer):
             opt.zero_grad()
     assert_same_weights(model, expected, rtol=weights_rtol(optimizer))
+    if scope == "graph":  # every layer's, the LayerNorm ("3") too: the rescale skips it, the global clip does not
+        assert {f"folded_factor/{layer}" for layer in "0234"} <= backend.stats().keys()
+
+
+@pytest.mark.parametrize("policy", ["agc", "sinkhorn"])
+def test_graph_scope_keeps_the_policies_of_other_changes_in_the_backward(policy):
+    """AGC's factors are per row and SinkGD's per element: graph scope cannot leave them to the
+    update as one factor per layer, so fold() says why, and the backward applies them."""
+    make, reference = POLICIES[policy]
+    torch.manual_seed(0)
+    model = mlp()
+    expected = copy.deepcopy(model)
+    backend = fxgrad.backend(make(), compiler="aot_eager")
+    optimizer, expected_optimizer = (OPTIMIZERS["adamw"](groups(m)) for m in (model, expected))
+    with pytest.warns(RuntimeWarning, match="otherwise than by one factor per layer.*scope='step'"):
+        backend.fold(optimizer)
+    assert not backend.folded_into()
+    train(model, optimizer, 5, backend=backend)
+    train(expected, expected_optimizer, 5, reference=reference)
+    assert_same_weights(model, expected)
+
+
+@pytest.mark.filterwarnings("ignore::fxgrad.CoverageWarning")  # the warning that a backward found .grad held
+def test_graph_scope_refuses_a_step_over_two_backwards_of_per_layer_factors():
+    """Two micro-batches accumulated in ``.grad``: each backward left its own factors, which the
+    update cannot apply to their sum (the same refusal as for a global factor)."""
+    model = mlp()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager")
+    optimizer = OPTIMIZERS["adamw"](model.parameters())
+    backend.fold(optimizer)
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(2):
+        compiled(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(ValueError, match="2 backward passes through the compiled graphs since the last step"):
+        optimizer.step()

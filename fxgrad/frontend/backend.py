@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -30,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxgrad import _compat, passes
 from fxgrad.core import match, validate
-from fxgrad.core.layers import DEFAULT_SKIP, Layer, SkipEntry, validate_skip
+from fxgrad.core.layers import DEFAULT_SKIP, Layer, Owner, SkipEntry, validate_skip
 from fxgrad.core.rule import Transform, check_transform, listed
 from fxgrad.core.warn import warn
 from fxgrad.frontend import fold as folding
@@ -55,6 +55,7 @@ from fxgrad.frontend.step_check import (
     TRAINER_CLIPS,
     ModelsApart,
     StepCheck,
+    group_ids,
     hand_over,
     policed_elsewhere,
     remove_optimizer_hooks,
@@ -79,6 +80,9 @@ from fxgrad.frontend.watch import ForwardWatch, GradWrites, OncePerPass, Watched
 from fxgrad.passes.capture import CapturedGraph, Root, capture, live_root
 from fxgrad.passes.graphtext import normalize_code, render_inserted
 from fxgrad.passes.record import gc_paused
+from fxgrad.runtime import norm_math
+from fxgrad.runtime.context import Fold
+from fxgrad.runtime.executor import FOLDED
 from fxgrad.runtime.state import StateStore, group_label
 
 SCOPE_CHANGED = (
@@ -240,11 +244,15 @@ class Backend:
             transform,
             self._factors_left,
             self._holds_last_pass_alone,
-            lambda: self.store.stat("folded_factor"),
+            lambda: self.store.stat(FOLDED),
             self._our_ids,
             lambda: self.current_scope() == "graph",
         )
         self._updates = UpdateFolds()  # optimizers whose update the step program runs (see fold())
+        self._per_layer = folding.per_layer(transform)  # its factors fold into a program's update only
+        # graph scope, per-layer factors folded: the last step's owners with a gradient, those the
+        # optimizer steps, and the statistics of their factors
+        self._left_owners: tuple[tuple, Sequence[Owner], list[Owner], list[str]] = ((), [], [], [])
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._apart = ModelsApart()  # ... of optimizers that step different models of this backend
         self._told_scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -345,6 +353,8 @@ class Backend:
         folded = self._folds.graphs_leave_factor and self.current_scope() == "graph"
         step_scope = self.current_scope() == "step"
         count_backwards = unwatched or (folded and graph.trains)
+        # what the backward leaves to the update: one global factor (grad_scale), or each layer's (the program's update)
+        fold: Fold = ("layers" if self._per_layer else "global") if folded else None
         # Step scope: backwards are watched until the policy first runs, to see a loop that never runs it.
         watch_steps = step_scope and self._step is not None and bool(graph.params)
         if self._step_check is not None:
@@ -357,10 +367,10 @@ class Backend:
         plain = step_scope and not self.keep_code
         stand_in = None
         if not step_scope and graph.trains and self._keyed_cache():
-            stand_in = StandIn.record(graph, example_inputs, functools.partial(self._rewrite_backward, graph, folded))
+            stand_in = StandIn.record(graph, example_inputs, functools.partial(self._rewrite_backward, graph, fold))
         if stand_in is not None:
             patches = _compat.cache_keyed(patches, stand_in.key(f"{self!r} scaler={self.scaler is not None}"))
-        rewrite = functools.partial(self._rewrite_backward, graph, folded, stand_in=stand_in)
+        rewrite = functools.partial(self._rewrite_backward, graph, fold, stand_in=stand_in)
         with contextlib.nullcontext() if plain or stand_in is not None else _compat.autograd_cache_bypassed():
             try:
                 compiled = COMPILERS[self.compiler](gm, example_inputs, rewrite, patches)
@@ -699,14 +709,14 @@ class Backend:
         )
 
     def _rewrite_backward(
-        self, graph: CapturedGraph, folded: bool, gm: torch.fx.GraphModule, stand_in: StandIn | None = None
+        self, graph: CapturedGraph, fold: Fold, gm: torch.fx.GraphModule, stand_in: StandIn | None = None
     ) -> bool:
         """Rewrite ``gm``; whether its compiled code may be saved to the on-disk caches."""
         with gc_paused():
-            self._rewrite(graph, gm, folded)
+            self._rewrite(graph, gm, fold)
         return stand_in is None or stand_in.covers(gm)
 
-    def _rewrite(self, graph: CapturedGraph, gm: torch.fx.GraphModule, folded: bool) -> None:
+    def _rewrite(self, graph: CapturedGraph, gm: torch.fx.GraphModule, fold: Fold) -> None:
         graph.reads_weights = False  # until a rule looks parameters up (graph.tensors)
         try:
             outputs = passes.gradient_outputs(gm, graph.num_inputs)
@@ -733,7 +743,7 @@ class Backend:
         if self.keep_code:
             graph.backward_before = normalize_code(gm.code, group_label)
         frame = self.registry.frame_index(graph)
-        rewrite_backward(gm, plan, outputs, self.store, self.scaler, graph.tensors, frame, fold=folded)
+        rewrite_backward(gm, plan, outputs, self.store, self.scaler, graph.tensors, frame, fold=fold)
         if self.keep_code:
             self._keep_code(graph, gm, outputs, has_grad)
 
@@ -809,8 +819,12 @@ class Backend:
         wrote none (``torch.autograd.grad`` before the backward) are fine: the step's
         gradients are then the latest backward's alone, whose factor it takes.
 
-        In step scope any other policy folds that way too: the step program runs the update on
-        the gradients it has just transformed. Other combinations keep the scaling pass,
+        Other factors fold into a program that runs the optimizer's update (same conditions):
+        in step scope the step program runs it on the gradients it has just transformed (any
+        policy); in graph scope the backward leaves each layer's factor
+        (``stats()["folded_factor/<layer>"]``) when every rule that changes gradients scales
+        each layer by one factor (not AGC's rows, SinkGD's or ``clip_by_value``'s elements),
+        and a program runs the update with them at the step. Other combinations keep the scaling pass,
         after one ``RuntimeWarning`` saying why; an optimizer other than those three raises.
         Several optimizers over one model (weights and biases apart, say) must all be folded:
         the step of one that is not raises ``ValueError``. So must one that replaces a folded
@@ -826,50 +840,79 @@ class Backend:
         scope = self.current_scope()
         # graphs compiled before the first fold apply the factor themselves; after it, they leave it
         compiled = any(graph.params for graph in self.registry.graphs) and not self._folds.graphs_leave_factor
-        why = folding.fallback(optimizer, self.transform, scope, compiled)
-        if scope == "step" and (why is None or folding.per_layer(self.transform)):
-            runs = update_program.why_not(optimizer)
-            if runs is None and self._update_factors is not None:
-                runs = "the policy also scales updates (apply_to='update'), which the step program does not run"
-            if runs is None:  # a global factor too: the update in the program costs less than torch's step
+        why = folding.blocked(optimizer, scope, compiled)
+        if why is None and folding.per_layer(self.transform):  # grad_scale cannot carry them: a program's update
+            why = self._update_why_not(optimizer, scope)
+            if why is None:
                 folding.claim(optimizer, self)
-                self._updates.add(optimizer, quiet=why is None)
-                if why is None:  # grad_scale carries it in a step the program cannot run
+                self._updates.add(optimizer)
+                if scope == "graph":  # the backward graphs leave each layer's factor, counted as a global one
                     self._folds.add(optimizer)
-                self._step.arm()
+                else:
+                    self._step.arm()
                 return
-            if why is not None:
-                why = f"{runs}: the step program applies the per-layer factors, and the optimizer steps as usual"
+            why = f"{why}: {folding.applies(scope)} the per-layer factors, and the optimizer steps as usual"
+        elif why is None:
+            why = folding.nothing_to_fold(self.transform)
         if why is not None:  # this backend keeps its scaling pass, and leaves the optimizer to others
             warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning)
             return
         folding.claim(optimizer, self)
+        if scope == "step" and self._update_why_not(optimizer, scope) is None:
+            # the update in the program costs less than torch's step; grad_scale carries the
+            # factor in a step the program cannot run
+            self._updates.add(optimizer, quiet=True)
         self._folds.add(optimizer)
         if scope == "step":
             self._step.arm()
 
+    def _update_why_not(self, optimizer: torch.optim.Optimizer, scope: str) -> str | None:
+        """Why a program cannot run ``optimizer``'s update with the policy's factors in ``scope``
+        (step scope: the policy's program; graph scope: the factors its backward left), or ``None``."""
+        why = update_program.why_not(optimizer)
+        if why is None and self._update_factors is not None:
+            why = "the policy also scales updates (apply_to='update'), which the step program does not run"
+        if why is None and scope == "graph":
+            why = folding.not_factors(self.transform)
+        return why
+
     def folded_into(self) -> list[torch.optim.Optimizer]:
         """The optimizers :meth:`fold` folds into (while they live), each once: those whose
-        ``grad_scale`` carries the global factor, then those whose update the step program runs."""
+        ``grad_scale`` carries the global factor, then those whose update a program runs."""
         return list(dict.fromkeys(self._folds.optimizers() + self._updates.optimizers()))
 
     def runs_update_of(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the step program runs ``optimizer``'s update (:meth:`fold` in step scope)."""
+        """Whether a program of fxgrad's runs ``optimizer``'s update (:meth:`fold` in step scope, or
+        with per-layer factors in graph scope)."""
         return optimizer in self._updates
 
     def scaled_grads(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """``model``'s gradients as the optimizer applies them (no sync): while :meth:`fold` is on,
-        ``.grad`` times the folded factor until the folded step, which writes that product back
-        to ``.grad``; ``.grad`` itself otherwise. In step scope the policy runs first if it has
-        not run on these gradients (as :meth:`step` does, advancing its state): call it once the
-        step's gradients are complete (after the last micro-batch), not between micro-batches.
-        Where the step program runs a folded optimizer's update (per-layer factors), that run
+        ``.grad`` times the folded factor (in graph scope with per-layer factors, its layer's)
+        until the folded step, which writes that product back to ``.grad``; ``.grad`` itself
+        otherwise. In step scope the policy runs first if it has not run on these gradients (as
+        :meth:`step` does, advancing its state): call it once the step's gradients are complete
+        (after the last micro-batch), not between micro-batches. Where the step program runs a
+        folded optimizer's update (per-layer factors, step scope), that run
         writes the transformed gradients to ``.grad``, and the optimizer's own step follows, as
         after :meth:`step`: this step is not folded."""
         validate.module("model", model)
         if self.folded_into() and self.current_scope() == "step" and self._step_models():
             self.step()
-        return self._folds.as_applied({name: p for name, p in model.named_parameters() if p.grad is not None})
+        factor_of = None
+        if self._leaves_layers():
+            layers = {key: owner.layer for key, owner in models_owners(self._step_models()).items()}
+            factor_of = lambda p: self._left_factor(layers.get(id(p)))  # noqa: E731
+        return self._folds.as_applied(
+            {name: p for name, p in model.named_parameters() if p.grad is not None}, factor_of
+        )
+
+    def _left_factor(self, layer: str | None) -> torch.Tensor | None:
+        """The factor the backward graphs left to ``layer``'s gradients (``None``: none)."""
+        try:
+            return None if layer is None else self.store.stat(f"{FOLDED}/{layer}")
+        except KeyError:
+            return None
 
     def _factors_left(self) -> int:
         """How many factors the policy has left to folded updates so far: one per backward
@@ -936,8 +979,50 @@ class Backend:
         factors = self._folds.check_step(optimizer)  # first: a refused step keeps no weight copy
         if self._update_factors is not None:
             self._update_factors.before_step(optimizer)
+        if factors is not None and self._leaves_layers():  # the backward left each layer's factor
+            if factors:
+                self._apply_left(optimizer)
+            factors = 0  # none for grad_scale
         if factors is not None:  # none to give when the step program ran the update with the factor
             self._folds.give_factor(optimizer, 0 if self._updates.updated(optimizer) else factors)
+
+    def _leaves_layers(self) -> bool:
+        """Whether the backward graphs leave each layer's factor to folded updates (graph scope,
+        a policy of factors per layer: :meth:`fold`)."""
+        return self._per_layer and self._folds.graphs_leave_factor and self.current_scope() == "graph"
+
+    def _apply_left(self, optimizer: torch.optim.Optimizer) -> None:
+        """Graph scope: apply the factors the backward graphs left to each layer
+        (``folded_factor/<layer>``) to the gradients of the backend's parameters that
+        ``optimizer`` steps, in a program that runs its update too (:mod:`fxgrad.frontend.update_program`),
+        or, where it cannot (said once), in a pass of their own before its own step."""
+        models = self._step_models()
+        order = self.registry.forward_order()
+        compute = lambda: step_routes(self.transform, models, self.skip, order)  # noqa: E731
+        with_grad, _ = self._programs.routes(models, order, compute, self._step.parameters(models))
+        if not with_grad:
+            return
+        key = id(with_grad), group_ids(optimizer)
+        if self._left_owners[0] != key:
+            stepped = stepped_ids(optimizer)
+            owners = [o for o in with_grad if id(o.tensor) in stepped]
+            self._left_owners = key, with_grad, owners, [f"{FOLDED}/{o.layer}" for o in owners]
+        _, _, owners, stats = self._left_owners
+        if not owners:
+            return
+        left = self.store.stat_places(stats, owners[0].tensor.device)
+        update = self._updates.update(optimizer, owners, left)
+        if update is not None and self._programs.run([], owners, self.store, None, update=update):
+            self._updates.ran(optimizer)
+            return
+        if update is not None:
+            update.unused()
+        buffer, offsets = left
+        with torch.no_grad():
+            for owner, at in zip(owners, offsets):
+                if at is not None:
+                    grad = owner.tensor.grad
+                    grad.copy_(norm_math.scaled([grad], buffer[at])[0])
 
     def _check_scaler_given(self, optimizer: torch.optim.Optimizer, first_step: bool) -> None:
         """Say once per optimizer that a GradScaler steps it and the policy read the gradients the
@@ -1139,7 +1224,7 @@ class Backend:
             self.registry.forward_order(),
             None if part else self._programs,  # not a program for each parameter
             params,
-            fold=bool(self._folds),
+            fold="global" if self._folds else None,
             update=functools.partial(self._updates.update, optimizer),
         )
         if ran is not None:

@@ -103,9 +103,14 @@ class Report:
                 f"folded into {', '.join(scaled)}: its update applies the global factor (stats: folded_factor); "
                 ".grad holds the gradient before it until the step (backend.scaled_grads gives it after)"
             )
+        in_graph = self.backend.current_scope() == "graph"
         for name in sorted({type(o).__name__ for o in optimizers if self.backend.runs_update_of(o)}):
             lines.append(
-                f"folded into {name}: the step program runs {name}'s update on the gradients the policy "
+                f"folded into {name}: the backward leaves each layer's factor (stats: folded_factor/<layer>), "
+                f"and a program runs {name}'s update with them; .grad holds the gradient before them until "
+                "the step (backend.scaled_grads gives it after)"
+                if in_graph
+                else f"folded into {name}: the step program runs {name}'s update on the gradients the policy "
                 "transforms (.grad holds them after the step, as torch's fused update leaves them)"
             )
         lines += [

@@ -13,6 +13,13 @@ factor. In step scope the step program reads the norms and runs the update itsel
 (:mod:`fxgrad.frontend.update_program`), the factor multiplying its inverse loss
 scale; ``grad_scale`` carries it in a step the program cannot run the update of.
 
+Per-layer factors (``clip_by_norm``, ``rescale``, a global clip under ``by_type``) fold
+into a program that runs the update (:mod:`fxgrad.frontend.update_program`): in step
+scope the step program, after the policy; in graph scope the backward leaves each
+layer's factor as the statistic ``folded_factor/<layer>`` (when every rule that changes
+gradients scales each layer by one factor: :func:`not_factors`), and at the step a
+program runs the update with them.
+
     backend = fxgrad.backend(fxgrad.clip_by_global_norm(1.0), scope="step")
     model = torch.compile(model, backend=backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -22,10 +29,8 @@ While folded, ``.grad`` holds the gradient *before* the factor between
 ``backward()`` and ``optimizer.step()`` (the fused update writes the
 multiplied gradient back to ``.grad``); ``backend.stats()["folded_factor"]``
 is the factor and :meth:`fxgrad.Backend.scaled_grads` the gradients with it,
-with no sync. In step scope a policy with other factors folds the same way, the step
-program running the optimizer's update. Every other
-combination runs the policy as before, after one warning that says why
-(docs/performance.md, "The optimizer fold").
+with no sync. Every other combination runs the policy as before, after one warning
+that says why (docs/performance.md, "The optimizer fold").
 
 :class:`Folds` keeps one backend's folded optimizers: the factors each update has
 applied, the checks before each step, and the hand-over of the factor to ``grad_scale``.
@@ -47,10 +52,11 @@ import torch
 from fxgrad import _compat
 from fxgrad.core import match, validate
 from fxgrad.core.layers import Layer
-from fxgrad.core.rule import Transform
+from fxgrad.core.rule import ScaleLeaf, Transform
 from fxgrad.core.warn import warn, warn_once
 from fxgrad.frontend.coverage import CoverageWarning
 from fxgrad.frontend.step_check import group_ids, hook_step
+from fxgrad.runtime import norm_math
 
 FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # their fused update reads grad_scale
 
@@ -101,8 +107,8 @@ def check(optimizer: Any) -> None:
         )
 
 
-def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scope: str, compiled: bool) -> str | None:
-    """Why this combination falls back to a scaling pass, or ``None`` when it folds
+def blocked(optimizer: torch.optim.Optimizer, scope: str, compiled: bool) -> str | None:
+    """Why no factor of any policy can fold into ``optimizer`` now, or ``None``
     (``compiled``: backward graphs holding parameters exist already)."""
     if scope == "graph" and _compat.data_parallel_world_size() > 1:
         return (
@@ -116,46 +122,56 @@ def fallback(optimizer: torch.optim.Optimizer, transform: Transform | None, scop
             "in graph scope, call fold() before the model's first forward: the backward graphs compiled "
             "so far apply the factor themselves"
         )
-    applies = "the step program applies" if scope == "step" else "the backward graph applies"
     if not _fused(optimizer):
         return (
             f"{type(optimizer).__name__} without fused=True has no grad_scale input: "
-            f"{applies} the factor (pass fused=True to fold it)"
+            f"{applies(scope)} the factor (pass fused=True to fold it)"
         )
-    routed, per_layer = _own_factors(transform)
-    if routed:
-        return (
-            f"{', '.join(map(repr, routed))} under by_type/by_name: each scales only the layers routed to it, "
-            f"and grad_scale scales every gradient: {applies} the factors"
-        )
-    leaves = transform.leaves() if transform is not None else []
-    if per_layer or not any(leaf.folds == "global" for leaf in leaves):
-        if not per_layer:
-            return "only a single global factor folds into grad_scale, and the policy has none: nothing to fold"
-        shown = ", ".join(repr(leaf) for leaf in per_layer)
-        return f"only a single global factor folds into grad_scale, and the policy has {shown}: {applies} the factors"
     return None
+
+
+def applies(scope: str) -> str:
+    """What applies the policy's factors in ``scope`` when they do not fold."""
+    return "the step program applies" if scope == "step" else "the backward graph applies"
+
+
+def nothing_to_fold(transform: Transform | None) -> str | None:
+    """Why ``transform``, which has no factors of its own per layer (:func:`per_layer`), leaves
+    ``grad_scale`` nothing to carry, or ``None``."""
+    if transform is None or not any(leaf.folds == "global" for leaf in transform.leaves()):
+        return "only a single global factor folds into grad_scale, and the policy has none: nothing to fold"
+    return None
+
+
+def not_factors(transform: Transform) -> str | None:
+    """Why graph scope's backward cannot leave ``transform``'s changes of the gradients to the
+    update as one factor per layer (:mod:`fxgrad.runtime.executor`, ``fold="layers"``), or
+    ``None``: a leaf changes them otherwise (per element, ``sinkhorn``, ``clip_by_value``)."""
+    others = [
+        leaf
+        for leaf in transform.leaves()
+        if leaf.apply_to == "grad" and leaf.folds != "identity" and not isinstance(leaf, ScaleLeaf)
+    ]
+    if not others:
+        return None
+    return (
+        f"{', '.join(map(repr, others))} change(s) gradients otherwise than by one factor per layer, which "
+        "graph scope's backward leaves to the update (scope='step' runs any policy in the update's program)"
+    )
 
 
 def per_layer(transform: Transform | None) -> bool:
     """Whether ``transform`` scales some gradients by factors of their own (per layer, per
-    element, or a global clip over the layers routed to it): what ``grad_scale`` cannot carry,
-    and the step program folds into the update (:mod:`fxgrad.frontend.update_program`)."""
-    return any(_own_factors(transform))
-
-
-def _own_factors(transform: Transform | None) -> tuple[list[Transform], list[Transform]]:
-    """The leaves of ``transform`` whose factors ``grad_scale`` cannot carry: global ones under
-    ``by_type``/``by_name``, and the per-layer or per-element ones."""
+    element, or a global clip over the layers routed to it by ``by_type``/``by_name``): what
+    ``grad_scale``, which scales every gradient, cannot carry, and the update in a program takes
+    (:mod:`fxgrad.frontend.update_program`)."""
     if transform is None:
-        return [], []
+        return False
     leaves = transform.leaves()
+    if any(leaf.folds is None and leaf.apply_to == "grad" for leaf in leaves):
+        return True
     folding = [leaf for leaf in leaves if leaf.folds == "global"]
-    unrouted = [leaf for leaf in transform.unrouted_leaves() if leaf.folds == "global"] if folding else []
-    routed = []
-    if len(unrouted) < len(folding):  # by identity: two equal rules can sit at both levels
-        routed = [leaf for leaf in folding if not any(leaf is other for other in unrouted)] or folding
-    return routed, [leaf for leaf in leaves if leaf.folds is None and leaf.apply_to == "grad"]
+    return len([leaf for leaf in transform.unrouted_leaves() if leaf.folds == "global"]) < len(folding)
 
 
 def _one_of(optimizer: torch.optim.Optimizer, classes: tuple[type, ...], elsewhere: set[str]) -> bool:
@@ -361,16 +377,27 @@ class Folds:
             self._counts[optimizer] = self._applied[optimizer] = self._left()
             hook_step(optimizer, self._stepping, self._stepped)  # after the global hooks that give the factor
 
-    def as_applied(self, params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    def as_applied(
+        self,
+        params: dict[str, torch.nn.Parameter],
+        factor_of: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Each of ``params``' ``.grad`` as its optimizer's update applies it (no sync): times the
         latest factor for the parameters of folded optimizers whose update has not applied it
-        yet (their ``.grad`` still lacks it), as it is for the others."""
+        yet (their ``.grad`` still lacks it), as it is for the others. ``factor_of(parameter)``:
+        its layer's factor where the backward left one per layer (``None``: none)."""
         count = self._left()
         owed = {
             id(p) for opt, last in self._applied.items() if count > last for g in opt.param_groups for p in g["params"]
         }
-        factor = self._factor() if owed else None
-        return {name: (p.grad * factor).to(p.grad.dtype) if id(p) in owed else p.grad for name, p in params.items()}
+        if factor_of is None:
+            factor = self._factor() if owed else None
+            factor_of = lambda p: factor  # noqa: E731
+        out = {}
+        for name, p in params.items():
+            factor = factor_of(p) if id(p) in owed else None
+            out[name] = p.grad if factor is None else norm_math.scaled([p.grad], factor)[0]
+        return out
 
     def check_step(self, optimizer: torch.optim.Optimizer) -> int | None:
         """Before ``optimizer``'s update: how many factors the policy left since its last step

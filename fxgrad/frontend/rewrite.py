@@ -20,6 +20,7 @@ from fxgrad import _compat, passes
 from fxgrad.core.rule import Route
 from fxgrad.frontend.plan import GraphPlan
 from fxgrad.passes.record import GraphRecorder
+from fxgrad.runtime.context import Fold
 from fxgrad.runtime.executor import run_policy
 from fxgrad.runtime.state import StateStore
 
@@ -32,7 +33,7 @@ def rewrite_backward(
     scaler: Any = None,
     params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
     frame: int = 0,
-    fold: bool = False,
+    fold: Fold = None,
 ) -> None:
     """Insert the plan's rules before ``gm``'s output and return their results instead.
 
@@ -40,7 +41,7 @@ def rewrite_backward(
     whose scale the gradients carry, if any; ``params(names)`` returns the
     parameters with those qualified names (for transforms that read weights);
     ``frame`` numbers the compiled frame (see :class:`~fxgrad.runtime.context.GraphContext`);
-    ``fold`` leaves the global factor to the optimizer (:meth:`fxgrad.Backend.fold`).
+    ``fold`` leaves the global factor, or each layer's, to the optimizer (:meth:`fxgrad.Backend.fold`).
     """
     routes = [(i, route) for i, route in enumerate(plan.routes) if route.layers]
     if not routes:
@@ -62,12 +63,12 @@ def record_policy(
     scaler: Any = None,
     params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
     frame: int = 0,
-    fold: bool = False,
+    fold: Fold = None,
     per_step: bool = False,
 ) -> tuple[dict[str, list[torch.fx.Node]], torch.fx.Node | None]:
     """Record ``routes`` over the gradient nodes ``grads`` (layer -> its gradients' nodes)
     before ``gm``'s output; the nodes holding each layer's new gradients, in the same order,
-    and with ``fold`` the node of the factor left to the optimizer. Recorded nodes whose values
+    and with ``fold="global"`` the node of the factor left to the optimizer. Recorded nodes whose values
     neither these nor a side effect use are left out. ``per_step``: the step program (step
     scope), not a backward graph."""
     values = [node.meta["val"] for nodes in grads.values() for node in nodes]

@@ -54,6 +54,7 @@ from fxgrad.frontend.update_program import Update
 from fxgrad.passes.graphtext import render_inserted
 from fxgrad.passes.record import GraphRecorder, gc_paused
 from fxgrad.runtime import norm_math
+from fxgrad.runtime.context import Fold
 from fxgrad.runtime.state import CheckpointMismatch, Group, StateStore, group_label, viewed_group
 
 OWNER_GRAD = operator.attrgetter("tensor.grad")  # a C getter, see fxgrad.core.layers.GRAD
@@ -116,7 +117,7 @@ class StepPrograms:
         owners: Sequence[Owner],
         store: StateStore,
         scaler: Any,
-        fold: bool = False,
+        fold: Fold = None,
         update: Update | None = None,
     ) -> bool:
         """Apply ``routes`` to the ``.grad`` of the parameters of ``owners`` in place, grouped by
@@ -244,7 +245,7 @@ class StepPrograms:
         group: str | None,
         store: StateStore,
         scaler: Any,
-        fold: bool,
+        fold: Fold,
         update: Update | None,
     ) -> Callable[..., Any]:
         """The program over ``grads`` (``owners``' gradients, or their local shards over the

@@ -59,6 +59,7 @@ from fxgrad.frontend.coverage import CoverageError, CoverageWarning
 from fxgrad.frontend.step_check import optimizer_pre_hook, remove_optimizer_hooks, stepped_ids
 from fxgrad.frontend.step_program import StepPrograms
 from fxgrad.frontend.update_program import Update
+from fxgrad.runtime.context import Fold
 from fxgrad.runtime.executor import run_policy
 from fxgrad.runtime.state import StateStore
 
@@ -108,7 +109,7 @@ def apply_to_grads(
     order: Sequence[str] = (),
     programs: StepPrograms | None = None,
     params: Sequence[nn.Parameter] | None = None,
-    fold: bool = False,
+    fold: Fold = None,
     update: Callable[[Sequence[Owner]], Update | None] = lambda owners: None,
 ) -> Update | None:
     """Apply ``transform`` to the ``.grad`` of ``models``' parameters, in place.
@@ -117,7 +118,7 @@ def apply_to_grads(
     forward order of layers (for depth), named-module order when empty. With
     ``programs`` the rules run as a compiled program where they can, else eagerly;
     ``params``, the models' parameters if the caller has them, saves walking the models again.
-    ``fold`` leaves the policy's global factor to the optimizer (:meth:`fxgrad.Backend.fold`);
+    ``fold="global"`` leaves the policy's global factor to the optimizer (:meth:`fxgrad.Backend.fold`);
     ``update(owners)`` gives the optimizer's update for the program to run after the policy
     (:mod:`fxgrad.frontend.update_program`), which is returned if it ran.
     """

@@ -5,7 +5,10 @@ folds there (:mod:`fxgrad.frontend.fold`). In step scope any policy folds anothe
 per-layer factors (``rescale``, ``clip_by_norm``, AGC, ...) and per-gradient transforms
 included: the step program that runs the policy also runs the update of torch's fused
 ``Adam``, ``AdamW`` or ``SGD``, on the gradient it has just transformed, in the same
-loops. The norms are read once; the scaled gradient is never a pass of its own. A global
+loops. The norms are read once; the scaled gradient is never a pass of its own. In graph
+scope the backward leaves each layer's factor (``folded_factor/<layer>``), and a program of
+the same kind, with no policy, runs the update with them (each gradient's factor
+multiplying its inverse loss scale). A global
 factor multiplies the update's inverse loss scale, as it would divide ``grad_scale``
 (measured cheaper than torch's own fused step after the program: docs/performance.md).
 The program writes the weights, the optimizer's state (``exp_avg``, ``exp_avg_sq`` and
@@ -68,9 +71,11 @@ def why_not(optimizer: torch.optim.Optimizer) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class Update:
     """One step's update of one optimizer, as the step program takes it: ``key`` (the
-    optimizer's class and hyperparameters, each gradient's parameter group) goes into the
-    program's key, and ``tensors`` are its inputs after the gradients (weights, state, then each
-    group's learning rate, the scaler's inverse scale and ``found_inf``): see :func:`record`."""
+    optimizer's class and hyperparameters, each gradient's parameter group, and where the
+    factors the backward left to the update sit, if it did) goes into the program's key, and
+    ``tensors`` are its inputs after the gradients (weights, state, then each group's learning
+    rate, the scaler's inverse scale and ``found_inf``, then the buffer of those factors): see
+    :func:`record`."""
 
     key: tuple
     tensors: list[torch.Tensor]
@@ -123,9 +128,16 @@ class UpdateFolds:
                 self._told.add(optimizer)
             hook_step(optimizer, self._set_aside, self._put_back)
 
-    def update(self, optimizer: torch.optim.Optimizer | None, owners: Sequence[Owner]) -> Update | None:
+    def update(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        owners: Sequence[Owner],
+        left: tuple[torch.Tensor, tuple[int | None, ...]] | None = None,
+    ) -> Update | None:
         """The update of ``optimizer`` over ``owners``' parameters, if it steps exactly those
-        with a gradient and can run in the program now; else ``None``."""
+        with a gradient and can run in the program now; else ``None``. ``left``: the factors
+        graph scope's backward left to the update, a buffer and each gradient's offset in it
+        (``None``: 1)."""
         if optimizer is None:  # backend.step(): the optimizers' own steps follow
             self._preceded = None
             return None
@@ -174,7 +186,9 @@ class UpdateFolds:
         tensors.append(one if scale is None else torch.reciprocal(scale.to(torch.float32)))
         tensors.append(zero if found_inf is None else found_inf.to(torch.float32))
         kinds = tuple(_kinds(optimizer, group) for group in param_groups)
-        return Update((adam, kinds, layout.groups), tensors, made)
+        if left is not None:
+            tensors.append(left[0])
+        return Update((adam, kinds, layout.groups, left and left[1]), tensors, made)
 
     def _layout(
         self, optimizer: torch.optim.Optimizer, owners: Sequence[Owner], stepped: tuple[tuple[int, ...], ...]
@@ -345,20 +359,26 @@ def record(
     ``replay`` (:meth:`~fxgrad.passes.record.GraphRecorder.replay`); the pairs ``(tensor,
     new value)`` the program writes back, gradients included. ``factor``, the global factor
     the policy left to the update (:mod:`fxgrad.frontend.fold`), multiplies the inverse loss
-    scale, as it divides a fused optimizer's ``grad_scale``."""
-    adam, kinds, groups = key
+    scale, as it divides a fused optimizer's ``grad_scale``; so does each gradient's factor that
+    the backward left (the key's offsets into the last input)."""
+    adam, kinds, groups, offsets = key
     n, width = len(grads), len(_NUMBERS[adam])
+    if offsets is not None:
+        inputs, left = inputs[:-1], inputs[-1]
     params, writes = inputs[:n], []
     hyper, (inverse, found_inf) = inputs[-2 - width * len(kinds) : -2], inputs[-2:]
     if factor is not None:
         inverse = inverse * factor.to(torch.float32)
+    inverses = [inverse] * n
+    if offsets is not None:
+        inverses = [inverse if at is None else inverse * left[at].to(torch.float32) for at in offsets]
     numbers = [hyper[i * width : (i + 1) * width] for i in range(len(kinds))]  # each group's
     if adam:
         exp_avgs, exp_avg_sqs, steps = inputs[n : 2 * n], inputs[2 * n : 3 * n], inputs[3 * n : 4 * n]
         scalars = _adam_scalars(numbers, groups, steps)
         for i in range(n):
             state = (params[i], exp_avgs[i], exp_avg_sqs[i], steps[i])
-            args = (*scalars[i], *numbers[groups[i]], inverse, found_inf, *kinds[groups[i]])
+            args = (*scalars[i], *numbers[groups[i]], inverses[i], found_inf, *kinds[groups[i]])
             writes += zip((grads[i], *state), replay(_adam, new_grads[i], *state, *args))
         return writes
     buffers = iter(inputs[n:])
@@ -367,10 +387,10 @@ def record(
     for i in range(n):
         (lr, momentum, dampening, wd), (_, nesterov, decays) = numbers[groups[i]], kinds[groups[i]]
         if bufs[i] is None:
-            new = replay(_sgd, new_grads[i], params[i], lr, wd, inverse, found_inf, decays)
+            new = replay(_sgd, new_grads[i], params[i], lr, wd, inverses[i], found_inf, decays)
             writes += zip((grads[i], params[i]), new)
         else:
-            args = (first, lr, momentum, dampening, wd, inverse, found_inf, nesterov, decays)
+            args = (first, lr, momentum, dampening, wd, inverses[i], found_inf, nesterov, decays)
             new = replay(_momentum_sgd, new_grads[i], params[i], bufs[i], *args)
             writes += zip((grads[i], params[i], bufs[i]), new)
     return writes

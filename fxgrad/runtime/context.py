@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from fxgrad.runtime.norm_math import call, replicated, widen
 from fxgrad.runtime.state import StateStore, flat
 
 Shape = tuple[int, ...]
+# What a run of the policy leaves to the optimizer's update: the global factor, each layer's
+# (see fxgrad.runtime.executor), or nothing
+Fold = Literal["global", "layers"] | None
 
 
 class GraphContext:
@@ -47,7 +50,7 @@ class GraphContext:
         scaler: Any = None,
         params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
         frame: int = 0,
-        fold: bool = False,
+        fold: Fold = None,
         per_step: bool = False,
         replay: Callable[..., Any] = call,
     ) -> None:
@@ -55,7 +58,7 @@ class GraphContext:
         self.replay = replay
         self.params = params
         self.frame = frame
-        self.fold = fold  # leave the global factor to the optimizer: see Executor
+        self.fold = fold  # leave the global factor, or each layer's, to the optimizer: see Executor
         self.per_step = per_step  # step scope: the gradients are every .grad, after any data-parallel reduction
         self._stats: dict[str, tuple[str, str] | None] = {}  # key -> (statistic, layer) if per layer
         self._stat_order: list[tuple[list[str], torch.Tensor]] = []

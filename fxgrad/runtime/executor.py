@@ -16,10 +16,13 @@ gradients times the inverse scale (as ``unscale_`` would leave them, so no sum
 overflows at a large scale), every transform sees unscaled values, and the
 factors multiply the scaled gradients (``unscale_`` later divides them).
 
-With ``fold=True`` (:meth:`fxgrad.Backend.fold`; only for policies whose every
+With ``fold="global"`` (:meth:`fxgrad.Backend.fold`; only for policies whose every
 factor is one global factor) the gradients are not multiplied: the product of
 the factors is the statistic ``folded_factor``, which the optimizer applies in
-its own update.
+its own update. With ``fold="layers"`` (graph scope, for policies of factors alone)
+each layer's product is the statistic ``folded_factor/<layer>`` (1 for a layer the
+policy leaves alone), which the step program's update applies
+(:mod:`fxgrad.frontend.update_program`).
 
 A leaf with ``apply_to="update"`` multiplies no gradient either: the product of
 its factors per layer is the statistic ``update_factor/<layer>``, which
@@ -34,10 +37,11 @@ import torch
 
 from fxgrad.core.rule import Route, ScaleLeaf
 from fxgrad.runtime import norm_math
-from fxgrad.runtime.context import GraphContext
+from fxgrad.runtime.context import Fold, GraphContext
 from fxgrad.runtime.state import StateStore, flat
 
 Grads = dict[str, list[torch.Tensor]]
+FOLDED = "folded_factor"  # the statistic of the factors left to it
 
 
 def run_policy(
@@ -49,19 +53,19 @@ def run_policy(
     params: Callable[[Sequence[str]], list[torch.Tensor]] | None = None,
     frame: int = 0,
     set_label: Callable[[str], None] = lambda label: None,
-    fold: bool = False,
+    fold: Fold = None,
     per_step: bool = False,
     replay: Callable[..., Any] = norm_math.call,
 ) -> torch.Tensor | None:
     """Apply ``routes`` to ``grads`` (layer name -> its gradients, replaced in place); with
-    ``fold``, return the factor left to the optimizer (0-dim, float64 or float32), else ``None``.
+    ``fold="global"``, return the factor left to the optimizer (0-dim, float64 or float32), else ``None``.
 
     Loads the loss scale and state, runs the routes, and saves the statistics.
     ``params(names)`` returns the parameters with those qualified names (for
     rules that read weights); ``frame`` numbers the compiled frame (see
     :class:`~fxgrad.runtime.context.GraphContext`); ``set_label`` names the
     ops that follow (graph scope tags the recorded nodes with it); ``fold``
-    leaves the global factor to the optimizer (see the module docstring);
+    leaves the global factor, or each layer's, to the optimizer (see the module docstring);
     ``per_step``: the gradients are the step's whole ``.grad`` (step scope);
     ``replay(fn, *args)`` runs a rule's per-tensor function (graph scope copies
     its recording for tensors like ones it has seen: see
@@ -73,16 +77,23 @@ def run_policy(
     executor.run(routes)
     set_label("statistics")
     folded = None
-    if fold:
+    if fold == "global":
         folded = executor.folded if isinstance(executor.folded, torch.Tensor) else torch.ones((), device=device)
-        graph.emit(["folded_factor"], folded, -1)
+        graph.emit([FOLDED], folded, -1)
+    elif fold == "layers":  # every layer of the graph: a layer's factor from an earlier backward is stale
+        _emit_per_layer(graph, FOLDED, {name: executor.left.get(name, 1.0) for name in grads}, device)
     if executor.on_update:
-        layers = list(executor.on_update)
-        factors = executor.on_update.values()
-        values = flat(f if isinstance(f, torch.Tensor) else torch.full((), f, device=device) for f in factors)
-        graph.emit([f"update_factor/{layer}" for layer in layers], values, -1, [("update_factor", n) for n in layers])
+        _emit_per_layer(graph, "update_factor", executor.on_update, device)
     graph.finish()
     return folded
+
+
+def _emit_per_layer(
+    graph: GraphContext, statistic: str, factors: dict[str, norm_math.Factor], device: torch.device
+) -> None:
+    """The statistics ``<statistic>/<layer>``, each layer's factor."""
+    values = flat(f if isinstance(f, torch.Tensor) else torch.full((), f, device=device) for f in factors.values())
+    graph.emit([f"{statistic}/{layer}" for layer in factors], values, -1, [(statistic, n) for n in factors])
 
 
 class Executor:
@@ -94,7 +105,8 @@ class Executor:
         # layer -> (its norm statistics when read, factor applied since), while still valid
         self._norms: dict[str, tuple[norm_math.NormStats, norm_math.Factor]] = {}
         self._at_end: list[Callable[[], None]] = []
-        self.folded: norm_math.Factor = 1.0  # with graph.fold: the global factor left to the optimizer
+        self.folded: norm_math.Factor = 1.0  # with graph.fold "global": the factor left to the optimizer
+        self.left: dict[str, norm_math.Factor] = {}  # with graph.fold "layers": layer -> the factor left to it
         self.on_update: dict[str, norm_math.Factor] = {}  # layer -> product of its apply_to="update" factors
 
     def run(self, routes: Sequence[tuple[int, Route]]) -> None:
@@ -163,17 +175,20 @@ class Executor:
             new = route.leaf.factors([current[n] for n in route.names], route.layers, ctx)
             if route.leaf.apply_to == "update":  # the optimizer's update takes it; the gradient stays
                 for name, factor in zip(route.names, new):
-                    self.on_update[name] = factor if name not in self.on_update else self.on_update[name] * factor
+                    _times(self.on_update, name, factor)
                 continue
             for name, factor in zip(route.names, new):
                 if _is_one(factor):
                     continue
-                factors[name] = factor if name not in factors else factors[name] * factor
+                _times(factors, name, factor)
                 if last_use[name] > i:
                     current[name] = current[name].scaled(factor)
-        if self.graph.fold and factors:  # one global factor: every layer has the same
+        if self.graph.fold == "global" and factors:  # one global factor: every layer has the same
             factor = next(iter(factors.values()))
             self.folded = factor if _is_one(self.folded) else self.folded * factor
+        elif self.graph.fold == "layers":
+            for name, factor in factors.items():
+                _times(self.left, name, factor)
         else:
             self.set_label("scale gradients")
             for name, factor in factors.items():
@@ -181,6 +196,11 @@ class Executor:
         for name, factor in factors.items():  # what the gradients are now, or will be in the update
             stats, before = self._norms[name]
             self._norms[name] = (stats, factor if _is_one(before) else before * factor)
+
+
+def _times(factors: dict[str, norm_math.Factor], name: str, factor: norm_math.Factor) -> None:
+    """Multiply ``factors[name]`` (1 when absent) by ``factor``."""
+    factors[name] = factor if name not in factors else factors[name] * factor
 
 
 def _is_one(factor: norm_math.Factor) -> bool:

@@ -361,6 +361,16 @@ class StateStore:
                 return slots.view(key)
         raise KeyError(key)
 
+    def stat_places(self, keys: Sequence[str], device: torch.device) -> tuple[torch.Tensor, tuple[int | None, ...]]:
+        """The statistics' buffer on ``device``, live, and the offset of each of the 0-dim
+        statistics ``keys`` in it (``None`` for one not written there yet): what a program
+        reads them by, with no view per key."""
+        slots = self._stats.get(device)
+        if slots is None:
+            return torch.zeros(1, dtype=torch.float64, device=device), (None,) * len(keys)
+        layout = slots.layout
+        return slots.buffer, tuple(layout[key][0] if key in layout else None for key in keys)
+
     def keyed_by_layer(self) -> bool:
         """Whether some state or statistic is kept under a layer's or a parameter's name."""
         return bool(self.by_layer or self._layer_stats)
