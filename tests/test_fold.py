@@ -261,8 +261,9 @@ def test_grad_holds_the_gradient_before_the_factor_until_the_step():
         ],
         (lambda p: torch.optim.SGD(p, lr=0.1), fxgrad.clip_by_norm(1.0), "step", r"fused=True"),
         (lambda p: torch.optim.SGD(p, lr=0.1), fxgrad.clip_by_norm(1.0), "graph", r"fused=True"),
+        (lambda p: torch.optim.AdamW(p, fused=True), fxgrad.monitor(), "graph", r"changes no gradient"),
     ],
-    ids=["foreach", "by-value-graph", "amsgrad", "amsgrad-graph", "unfused-sgd", "unfused-sgd-graph"],
+    ids=["foreach", "by-value-graph", "amsgrad", "amsgrad-graph", "unfused-sgd", "unfused-sgd-graph", "monitor"],
 )
 def test_combinations_that_do_not_fold_warn_once_and_stay_exact(make, policy, scope, message):
     torch.manual_seed(0)

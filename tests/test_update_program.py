@@ -405,7 +405,7 @@ def test_sgd_with_a_tensor_momentum_keeps_its_own_step():
     model = mlp()
     backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager", scope="step")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=torch.tensor(0.0), dampening=0.3, fused=True)
-    with pytest.warns(RuntimeWarning, match=r"momentum given as a tensor .*: the step program applies the per-layer"):
+    with pytest.warns(RuntimeWarning, match=r"momentum given as a tensor .*: the step program applies the policy"):
         backend.fold(optimizer)
     assert backend.folded_into() == []
 

@@ -851,7 +851,7 @@ class Backend:
                 else:
                     self._step.arm()
                 return
-            why = f"{why}: {folding.applies(scope)} the per-layer factors, and the optimizer steps as usual"
+            why = f"{why}: {folding.applies(scope)} the policy, and the optimizer steps as usual"
         elif why is None:
             why = folding.nothing_to_fold(self.transform)
         if why is not None:  # this backend keeps its scaling pass, and leaves the optimizer to others

@@ -137,9 +137,9 @@ def applies(scope: str) -> str:
 
 def nothing_to_fold(transform: Transform | None) -> str | None:
     """Why ``transform``, which has no factors of its own per layer (:func:`per_layer`), leaves
-    ``grad_scale`` nothing to carry, or ``None``."""
+    the update nothing to apply, or ``None``."""
     if transform is None or not any(leaf.folds == "global" for leaf in transform.leaves()):
-        return "only a single global factor folds into grad_scale, and the policy has none: nothing to fold"
+        return "the policy changes no gradient (monitor, apply_to='update' rules): nothing to fold"
     return None
 
 
@@ -417,9 +417,9 @@ class Folds:
                 "a step skipped without zero_grad() or with zero_grad(set_to_none=False), a GAN's "
                 "generator step backpropagating through the discriminator: freeze it for that step, "
                 "requires_grad_(False), or one backend folded into the optimizers of two models: give each "
-                "model a backend of its own): each left its own factor, which one grad_scale cannot hold. Use "
-                "fxgrad.backend(..., scope='step'), which applies the factor of the whole step's gradient, or "
-                "do not fold."
+                "model a backend of its own): each left its own factors, which the update cannot apply to "
+                "their sum. Use fxgrad.backend(..., scope='step'), which applies the factors of the whole step's "
+                "gradient, or do not fold."
             )
         return factors
 
