@@ -426,9 +426,11 @@ def test_a_forward_that_builds_modules_is_not_recompiled_by_step_scope():
 
 @pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("fold", [False, True])
-def test_no_gradient_outlives_its_step(compiler, fold):
-    """The step program, the fold and update-level factors keep no gradient (nor a weight
-    copy) alive after the step: peak memory stays the model's own."""
+@pytest.mark.parametrize("scope", ["step", "graph"])
+def test_no_gradient_outlives_its_step(compiler, fold, scope):
+    """The step program, the fold (in graph scope, the program of the folded update) and
+    update-level factors keep no gradient (nor a weight copy) alive after the step: peak
+    memory stays the model's own."""
     import gc
     import weakref
 
@@ -436,7 +438,9 @@ def test_no_gradient_outlives_its_step(compiler, fold):
     policy = fxgrad.chain(
         fxgrad.clip_by_global_norm(0.1), fxgrad.rescale(alpha=0, multipliers={"0": 2.0}, apply_to="update")
     )
-    backend = fxgrad.backend(policy, compiler=compiler, scope="step")
+    if scope == "graph":  # the update-level factors keep the update out of a program: not folded then
+        policy = fxgrad.chain(fxgrad.clip_by_norm(0.1), fxgrad.clip_by_global_norm(0.1))
+    backend = fxgrad.backend(policy, compiler=compiler, scope=scope)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     if fold:
         backend.fold(optimizer)
@@ -449,14 +453,15 @@ def test_no_gradient_outlives_its_step(compiler, fold):
         optimizer.zero_grad(set_to_none=True)
     gc.collect()
     assert not [ref for ref in alive if ref() is not None]
-    assert not backend._update_factors._before  # the weight copies went with the step
+    assert backend._update_factors is None or not backend._update_factors._before  # the copies went with the step
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("scope", ["step", "graph"])
-def test_a_backend_goes_with_its_model(compile_with, scope):
+def test_a_backend_goes_with_its_model(compile_with, scope, fold):
     """Nothing keeps a backend and its model alive once both are dropped (a sweep builds one of
     each per run): the parameters' gradient hooks hold the backend weakly, and step scope's
-    parameter walk holds the parameters."""
+    parameter walk (and a folded update's record) holds the parameters."""
     import gc
     import weakref
 
@@ -465,8 +470,10 @@ def test_a_backend_goes_with_its_model(compile_with, scope):
     def run():
         model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
         backend = fxgrad.backend(fxgrad.clip_by_global_norm(0.1), compiler="aot_eager", scope=scope)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=fold)
+        if fold:
+            backend.fold(optimizer)
         compiled = compile_with(backend, model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(2):
             models.loss_of(compiled(torch.randn(4, 16))).backward()
             optimizer.step()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping
 
 import torch
 import torch.fx
@@ -250,9 +250,11 @@ class Backend:
         )
         self._updates = UpdateFolds()  # optimizers whose update the step program runs (see fold())
         self._per_layer = folding.per_layer(transform)  # its factors fold into a program's update only
-        # graph scope, per-layer factors folded: the last step's owners with a gradient, those the
-        # optimizer steps, and the statistics of their factors
-        self._left_owners: tuple[tuple, Sequence[Owner], list[Owner], list[str]] = ((), [], [], [])
+        # graph scope, folded into a program's update: the parameters the graphs hold that an optimizer
+        # steps (by the graphs' generation and its groups), and, by which have a gradient, those
+        # with one, the statistics of their factors and their routes (see _apply_left)
+        self._left_owners: tuple[tuple, list[Owner], dict[tuple, tuple]] = ((), [], {})
+        self._held: tuple[int, dict[int, Owner]] = (-1, {})  # see _held_owners
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._apart = ModelsApart()  # ... of optimizers that step different models of this backend
         self._told_scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -810,11 +812,12 @@ class Backend:
         models' parameters, no DTensors): the factor multiplies the update's inverse loss scale
         as it would divide ``grad_scale``, and the optimizer's own ``step()`` updates nothing.
         Where it cannot, ``grad_scale`` carries the factor. In graph scope the
-        backward graph reads them and returns the gradients unscaled; call ``fold()``
-        before the model's first forward (the graphs compiled before keep scaling),
-        and let ``.grad`` hold one backward through one graph at each step: the step
-        refuses more (``ValueError``: each backward had its own factor, which one
-        ``grad_scale`` cannot hold; accumulation and graph breaks need ``scope="step"``).
+        backward graph reads them and returns the gradients unscaled, leaving the factor, and
+        at ``optimizer.step()`` a program runs the update with it (the same conditions; else
+        ``grad_scale``); call ``fold()`` before the model's first forward (the graphs compiled
+        before keep scaling), and let ``.grad`` hold one backward through one graph at each
+        step: the step refuses more (``ValueError``: each backward had its own factor, which
+        the update cannot apply to their sum; accumulation and graph breaks need ``scope="step"``).
         Earlier backwards whose gradients ``zero_grad()`` dropped (a step skipped) or that
         wrote none (``torch.autograd.grad`` before the backward) are fine: the step's
         gradients are then the latest backward's alone, whose factor it takes.
@@ -858,9 +861,9 @@ class Backend:
             warn(f"fxgrad: fold({type(optimizer).__name__}): {why}.", RuntimeWarning)
             return
         folding.claim(optimizer, self)
-        if scope == "step" and self._update_why_not(optimizer, scope) is None:
-            # the update in the program costs less than torch's step; grad_scale carries the
-            # factor in a step the program cannot run
+        if self._update_why_not(optimizer, scope) is None:
+            # the update in a program costs less than torch's step and its grad_scale, which
+            # carries the factor in a step the program cannot run
             self._updates.add(optimizer, quiet=True)
         self._folds.add(optimizer)
         if scope == "step":
@@ -901,16 +904,19 @@ class Backend:
             self.step()
         factor_of = None
         if self._leaves_layers():
-            layers = {key: owner.layer for key, owner in models_owners(self._step_models()).items()}
-            factor_of = lambda p: self._left_factor(layers.get(id(p)))  # noqa: E731
+            held = self._held_owners()
+            factor_of = lambda p: self._left_factor(held.get(id(p)), p)  # noqa: E731
         return self._folds.as_applied(
             {name: p for name, p in model.named_parameters() if p.grad is not None}, factor_of
         )
 
-    def _left_factor(self, layer: str | None) -> torch.Tensor | None:
-        """The factor the backward graphs left to ``layer``'s gradients (``None``: none)."""
+    def _left_factor(self, owner: Owner | None, param: nn.Parameter) -> torch.Tensor | None:
+        """The factor the backward graphs left to ``param``'s gradient (``owner``: its entry in
+        :meth:`_held_owners`, if any), or ``None``."""
+        if owner is None or owner.tensor is not param:
+            return None
         try:
-            return None if layer is None else self.store.stat(f"{FOLDED}/{layer}")
+            return self.store.stat(f"{FOLDED}/{owner.layer}")
         except KeyError:
             return None
 
@@ -979,11 +985,11 @@ class Backend:
         factors = self._folds.check_step(optimizer)  # first: a refused step keeps no weight copy
         if self._update_factors is not None:
             self._update_factors.before_step(optimizer)
-        if factors is not None and self._leaves_layers():  # the backward left each layer's factor
-            if factors:
-                self._apply_left(optimizer)
-            factors = 0  # none for grad_scale
-        if factors is not None:  # none to give when the step program ran the update with the factor
+        if factors and optimizer in self._updates and self.current_scope() == "graph":
+            self._apply_left(optimizer)
+        if factors is not None and self._leaves_layers():
+            factors = 0  # none for grad_scale: _apply_left applied them
+        if factors is not None:  # none to give when a program ran the update with the factor
             self._folds.give_factor(optimizer, 0 if self._updates.updated(optimizer) else factors)
 
     def _leaves_layers(self) -> bool:
@@ -992,37 +998,57 @@ class Backend:
         return self._per_layer and self._folds.graphs_leave_factor and self.current_scope() == "graph"
 
     def _apply_left(self, optimizer: torch.optim.Optimizer) -> None:
-        """Graph scope: apply the factors the backward graphs left to each layer
-        (``folded_factor/<layer>``) to the gradients of the backend's parameters that
-        ``optimizer`` steps, in a program that runs its update too (:mod:`fxgrad.frontend.update_program`),
-        or, where it cannot (said once), in a pass of their own before its own step."""
-        models = self._step_models()
-        order = self.registry.forward_order()
-        compute = lambda: step_routes(self.transform, models, self.skip, order)  # noqa: E731
-        with_grad, _ = self._programs.routes(models, order, compute, self._step.parameters(models))
-        if not with_grad:
-            return
-        key = id(with_grad), group_ids(optimizer)
+        """Graph scope: apply the factors the backward graphs left (each layer's,
+        ``folded_factor/<layer>``, or the global ``folded_factor``) to the gradients of the
+        parameters the graphs hold that ``optimizer`` steps, in a program that runs its update
+        too (:mod:`fxgrad.frontend.update_program`). Where it cannot, a layer's factors are
+        applied in a pass of their own before the optimizer's own step (said once), and a
+        global one rides in ``grad_scale``."""
+        key = self.registry.generation, group_ids(optimizer)
         if self._left_owners[0] != key:
             stepped = stepped_ids(optimizer)
-            owners = [o for o in with_grad if id(o.tensor) in stepped]
-            self._left_owners = key, with_grad, owners, [f"{FOLDED}/{o.layer}" for o in owners]
-        _, _, owners, stats = self._left_owners
+            held = [owner for owner in self._held_owners().values() if id(owner.tensor) in stepped]
+            self._left_owners = key, held, {}
+        _, held, by_grads = self._left_owners
+        with_grad = tuple(owner.tensor.grad is not None for owner in held)
+        found = by_grads.get(with_grad)
+        if found is None:  # the routes of their program (none), kept with them: see StepPrograms._routing
+            owners = [owner for owner, has in zip(held, with_grad) if has]
+            stats = [f"{FOLDED}/{o.layer}" for o in owners] if self._per_layer else [FOLDED] * len(owners)
+            found = by_grads[with_grad] = owners, stats, []
+        owners, stats, routes = found
         if not owners:
             return
         left = self.store.stat_places(stats, owners[0].tensor.device)
         update = self._updates.update(optimizer, owners, left)
-        if update is not None and self._programs.run([], owners, self.store, None, update=update):
+        if update is not None and self._programs.run(routes, owners, self.store, None, update=update):
             self._updates.ran(optimizer)
             return
         if update is not None:
             update.unused()
+        if not self._per_layer:
+            return
         buffer, offsets = left
         with torch.no_grad():
             for owner, at in zip(owners, offsets):
                 if at is not None:
                     grad = owner.tensor.grad
                     grad.copy_(norm_math.scaled([grad], buffer[at])[0])
+
+    def _held_owners(self) -> dict[int, Owner]:
+        """``id(parameter) -> Owner`` for the trainable parameters the compiled graphs hold, named
+        as the graphs name their layers (under which their backward leaves a layer's factor; a
+        graph that runs for another module keeps the names it was compiled with), kept until the
+        graphs change."""
+        if self._held[0] != self.registry.generation:
+            held: dict[int, Owner] = {}
+            for graph in self.registry.training():
+                for slot in graph.params:
+                    tensor = slot.tensor()
+                    if tensor is not None and tensor.requires_grad:
+                        held.setdefault(id(tensor), Owner(slot.layer, slot.name, None, tensor))
+            self._held = self.registry.generation, held
+        return self._held[1]
 
     def _check_scaler_given(self, optimizer: torch.optim.Optimizer, first_step: bool) -> None:
         """Say once per optimizer that a GradScaler steps it and the policy read the gradients the
@@ -1163,11 +1189,12 @@ class Backend:
             self._forget_models()
 
     def _forget_models(self) -> None:
-        """Drop what step scope and the update factors keep from step to step for the models
-        (walks of their parameters, routes), which holds the parameters."""
+        """Drop what step scope, the folded updates and the update factors keep from step to step
+        for the models (walks of their parameters, routes), which holds the parameters."""
         if self._step is not None:
             self._step.forget()
         self._programs.forget()
+        self._left_owners, self._held = ((), [], {}), (-1, {})
         if self._update_factors is not None:
             self._update_factors.forget()
 

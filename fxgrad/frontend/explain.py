@@ -26,6 +26,7 @@ from fxgrad.core import validate
 from fxgrad.core.layers import module_type, parameter_owners, skip_reason
 from fxgrad.frontend.backend import Backend
 from fxgrad.frontend.coverage import CoverageWarning
+from fxgrad.frontend.fold import per_layer
 from fxgrad.frontend.kernels import KernelCollector, ProgramKernels
 from fxgrad.frontend.step_check import handed_back, stepped_ids
 from fxgrad.frontend.step_scope import step_routes
@@ -104,11 +105,15 @@ class Report:
                 ".grad holds the gradient before it until the step (backend.scaled_grads gives it after)"
             )
         in_graph = self.backend.current_scope() == "graph"
+        left = (
+            "each layer's factor (stats: folded_factor/<layer>)"
+            if per_layer(self.backend.transform)
+            else ("the global factor (stats: folded_factor)")
+        )
         for name in sorted({type(o).__name__ for o in optimizers if self.backend.runs_update_of(o)}):
             lines.append(
-                f"folded into {name}: the backward leaves each layer's factor (stats: folded_factor/<layer>), "
-                f"and a program runs {name}'s update with them; .grad holds the gradient before them until "
-                "the step (backend.scaled_grads gives it after)"
+                f"folded into {name}: the backward leaves {left}, and a program runs {name}'s update with "
+                "it; .grad holds the gradient before it until the step (backend.scaled_grads gives it after)"
                 if in_graph
                 else f"folded into {name}: the step program runs {name}'s update on the gradients the policy "
                 "transforms (.grad holds them after the step, as torch's fused update leaves them)"

@@ -5,13 +5,14 @@ every gradient by one number: one more read and write of every gradient, after
 the last one exists. torch's fused optimizers (``Adam``, ``AdamW`` and ``SGD``
 with ``fused=True``) already divide each gradient by ``optimizer.grad_scale``
 inside their update (``GradScaler`` sets it to the loss scale), so the factor
-can ride there for free: ``grad_scale = loss_scale / factor``. In graph scope the
-backward graph reads the norms where it produces the gradients and returns them
-unscaled, if one backward through one graph makes each step's gradient (the step
-refuses more: each backward had a factor of its own); the update applies the
-factor. In step scope the step program reads the norms and runs the update itself
-(:mod:`fxgrad.frontend.update_program`), the factor multiplying its inverse loss
-scale; ``grad_scale`` carries it in a step the program cannot run the update of.
+can ride there for free: ``grad_scale = loss_scale / factor``. A program that runs the
+update itself (:mod:`fxgrad.frontend.update_program`) does better, the factor
+multiplying its inverse loss scale: in graph scope the backward graph reads the norms
+where it produces the gradients and returns them unscaled, leaving the factor, if one
+backward through one graph makes each step's gradient (the step refuses more: each
+backward had a factor of its own), and a program runs the update with it at the step;
+in step scope the step program reads the norms and runs the update. ``grad_scale``
+carries the factor in a step no program can run the update of.
 
 Per-layer factors (``clip_by_norm``, ``rescale``, a global clip under ``by_type``) fold
 into a program that runs the update (:mod:`fxgrad.frontend.update_program`): in step
