@@ -800,17 +800,17 @@ class Backend:
         ``zclip``, with ``monitor``) and a fused ``Adam``, ``AdamW`` or ``SGD``, the
         factor divides ``optimizer.grad_scale`` (with a GradScaler's scale when there is
         one): the norms are read once and nothing is written. The weights after each
-        step equal the unfolded path's (to float32 rounding of the factor: torch's fused
-        kernels take ``grad_scale`` in float32 only, so float64 parameters see ~3e-8
-        relative per step). Until the step, ``.grad`` holds the gradient
-        before the factor: ``stats()["folded_factor"]`` is the factor and
-        :meth:`scaled_grads` the gradients with it.
+        step equal the unfolded path's (there, to float32 rounding of the factor: torch's
+        fused kernels take ``grad_scale`` in float32 only, so float64 parameters see ~3e-8
+        relative per step; where a program runs the update, below, to float64's). Until the
+        step, ``.grad`` holds the gradient before the factor: ``stats()["folded_factor"]`` is
+        the factor and :meth:`scaled_grads` the gradients with it.
 
         In step scope the norms are read at ``optimizer.step()``, by the step program, which
         also runs the optimizer's update where it can (:mod:`fxgrad.frontend.update_program`:
         neither ``amsgrad`` nor ``maximize``, no step hooks of others, one optimizer over the
-        models' parameters, no DTensors): the factor multiplies the update's inverse loss scale
-        as it would divide ``grad_scale``, and the optimizer's own ``step()`` updates nothing.
+        models' parameters, no DTensors): the factor multiplies each gradient there, and the
+        optimizer's own ``step()`` updates nothing.
         Where it cannot, ``grad_scale`` carries the factor. In graph scope the
         backward graph reads them and returns the gradients unscaled, leaving the factor, and
         at ``optimizer.step()`` a program runs the update with it (the same conditions; else

@@ -7,7 +7,7 @@ with ``fused=True``) already divide each gradient by ``optimizer.grad_scale``
 inside their update (``GradScaler`` sets it to the loss scale), so the factor
 can ride there for free: ``grad_scale = loss_scale / factor``. A program that runs the
 update itself (:mod:`fxgrad.frontend.update_program`) does better, the factor
-multiplying its inverse loss scale: in graph scope the backward graph reads the norms
+multiplying each gradient in its loops: in graph scope the backward graph reads the norms
 where it produces the gradients and returns them unscaled, leaving the factor, if one
 backward through one graph makes each step's gradient (the step refuses more: each
 backward had a factor of its own), and a program runs the update with it at the step;
@@ -486,7 +486,7 @@ class Folds:
 
     def _check_unfolded(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse the step of an optimizer that is not folded while another is: it would apply the
-        gradients of the backend's models without the global factor the policy left to the folded
+        gradients of the backend's models without the factors the policy left to the folded
         updates (two optimizers over one model, one of them folded)."""
         ours = self._ours()
         stepped = [p for group in optimizer.param_groups for p in group["params"] if id(p) in ours]
@@ -496,14 +496,14 @@ class Folds:
         if not self._counts:  # graph scope, the folded optimizer gone
             raise ValueError(
                 f"fold: {name} steps parameters of the models of this backend and is not folded, and the backward "
-                f"graphs were compiled folded: they leave the global factor of {self.transform!r} to the update, "
+                f"graphs were compiled folded: they leave the factors of {self.transform!r} to the update, "
                 "so this one would apply unscaled gradients. An optimizer that replaces a folded one (a resume "
                 "with load_state_dict) must be folded too: backend.fold(optimizer)."
             )
         raise ValueError(
             f"fold: {name} steps parameters of the models of this backend, and is not folded (not given to "
             "fold(), or fold() fell back for it, with a RuntimeWarning saying why) while "
-            f"{len(self._counts)} other optimizer(s) are: the policy {self.transform!r} left its global factor "
+            f"{len(self._counts)} other optimizer(s) are: the policy {self.transform!r} left its factors "
             "to the folded updates, so this one would apply unscaled gradients. Fold every optimizer that steps "
             "the model (backend.fold(optimizer) for each, of a kind it folds into), or none; an optimizer that "
             "wraps a folded one "

@@ -7,10 +7,10 @@ included: the step program that runs the policy also runs the update of torch's 
 ``Adam``, ``AdamW`` or ``SGD``, on the gradient it has just transformed, in the same
 loops. The norms are read once; the scaled gradient is never a pass of its own. In graph
 scope the backward leaves each layer's factor (``folded_factor/<layer>``), and a program of
-the same kind, with no policy, runs the update with them (each gradient's factor
-multiplying its inverse loss scale). A global
-factor multiplies the update's inverse loss scale, as it would divide ``grad_scale``
-(measured cheaper than torch's own fused step after the program: docs/performance.md).
+the same kind, with no policy, runs the update with them. A global factor folds the same
+way, in either scope (measured cheaper than torch's own fused step with ``grad_scale``:
+docs/performance.md). A factor multiplies its gradient in the update's dtype (float64 for
+float64 weights, which a float32 ``grad_scale`` would round), before the inverse loss scale.
 The program writes the weights, the optimizer's state (``exp_avg``, ``exp_avg_sq`` and
 ``step``; ``momentum_buffer``) and the transformed gradient to ``.grad``, where torch's
 fused update would; the optimizer's own ``step()`` then finds no parameter group to
@@ -358,28 +358,27 @@ def record(
     results for ``grads``) and ``inputs`` (:attr:`Update.tensors`), all fake tensors, with
     ``replay`` (:meth:`~fxgrad.passes.record.GraphRecorder.replay`); the pairs ``(tensor,
     new value)`` the program writes back, gradients included. ``factor``, the global factor
-    the policy left to the update (:mod:`fxgrad.frontend.fold`), multiplies the inverse loss
-    scale, as it divides a fused optimizer's ``grad_scale``; so does each gradient's factor that
-    the backward left (the key's offsets into the last input)."""
+    the policy left to the update (:mod:`fxgrad.frontend.fold`), multiplies each gradient, as
+    does each gradient's factor that the backward left (the key's offsets into the last
+    input): in the update's dtype (float64 for float64 weights, where a fused optimizer's
+    float32 ``grad_scale`` would round it), before the inverse loss scale."""
     adam, kinds, groups, offsets = key
     n, width = len(grads), len(_NUMBERS[adam])
     if offsets is not None:
         inputs, left = inputs[:-1], inputs[-1]
     params, writes = inputs[:n], []
     hyper, (inverse, found_inf) = inputs[-2 - width * len(kinds) : -2], inputs[-2:]
-    if factor is not None:
-        inverse = inverse * factor.to(torch.float32)
-    inverses = [inverse] * n
+    factors = [factor] * n
     if offsets is not None:
-        inverses = [inverse if at is None else inverse * left[at].to(torch.float32) for at in offsets]
+        factors = [None if at is None else left[at] for at in offsets]
     numbers = [hyper[i * width : (i + 1) * width] for i in range(len(kinds))]  # each group's
     if adam:
         exp_avgs, exp_avg_sqs, steps = inputs[n : 2 * n], inputs[2 * n : 3 * n], inputs[3 * n : 4 * n]
         scalars = _adam_scalars(numbers, groups, steps)
         for i in range(n):
             state = (params[i], exp_avgs[i], exp_avg_sqs[i], steps[i])
-            args = (*scalars[i], *numbers[groups[i]], inverses[i], found_inf, *kinds[groups[i]])
-            writes += zip((grads[i], *state), replay(_adam, new_grads[i], *state, *args))
+            args = (*scalars[i], *numbers[groups[i]], inverse, found_inf, *kinds[groups[i]])
+            writes += zip((grads[i], *state), replay(_adam, new_grads[i], factors[i], *state, *args))
         return writes
     buffers = iter(inputs[n:])
     bufs = [next(buffers) if kinds[g][0] else None for g in groups]
@@ -387,11 +386,11 @@ def record(
     for i in range(n):
         (lr, momentum, dampening, wd), (_, nesterov, decays) = numbers[groups[i]], kinds[groups[i]]
         if bufs[i] is None:
-            new = replay(_sgd, new_grads[i], params[i], lr, wd, inverses[i], found_inf, decays)
+            new = replay(_sgd, new_grads[i], factors[i], params[i], lr, wd, inverse, found_inf, decays)
             writes += zip((grads[i], params[i]), new)
         else:
-            args = (first, lr, momentum, dampening, wd, inverses[i], found_inf, nesterov, decays)
-            new = replay(_momentum_sgd, new_grads[i], params[i], bufs[i], *args)
+            args = (first, lr, momentum, dampening, wd, inverse, found_inf, nesterov, decays)
+            new = replay(_momentum_sgd, new_grads[i], factors[i], params[i], bufs[i], *args)
             writes += zip((grads[i], params[i], bufs[i]), new)
     return writes
 
@@ -417,13 +416,15 @@ def _adam_scalars(numbers: Sequence[Sequence[Any]], groups: Sequence[int], steps
 
 
 def _adam(
-    g, p, exp_avg, exp_avg_sq, step, new_step, step_size, bias2_sqrt, lr, beta1, beta2, eps, wd, inverse, found_inf,
-    decays, decoupled,
+    g, factor, p, exp_avg, exp_avg_sq, step, new_step, step_size, bias2_sqrt, lr, beta1, beta2, eps, wd, inverse,
+    found_inf, decays, decoupled,
 ):  # fmt: skip
-    """One parameter's fused Adam(W) update of the policy's gradient ``g`` (the scalars from
-    :func:`_adam_scalars`); the gradient to write back, and the new weight, moments and step."""
+    """One parameter's fused Adam(W) update of the policy's gradient ``g`` times ``factor`` (the
+    scalars from :func:`_adam_scalars`); the gradient to write back, and the new weight, moments
+    and step."""
     dtype = _opmath(p)
-    grad, param = g.to(dtype) * inverse.to(dtype), p.to(dtype)
+    applied = grad = _applied(g, factor, inverse, dtype)
+    param = p.to(dtype)
     if decays and decoupled:
         param = param * (1 - lr * wd).to(dtype)
     elif decays:
@@ -431,29 +432,31 @@ def _adam(
     m = exp_avg.to(dtype) + (grad - exp_avg.to(dtype)) * (1 - beta1).to(dtype)
     v = exp_avg_sq.to(dtype) * beta2.to(dtype) + grad * grad * (1 - beta2).to(dtype)
     param = param - step_size.to(dtype) * m / (torch.sqrt(v) / bias2_sqrt.to(dtype) + eps.to(dtype))
-    return _unless(found_inf, g, inverse, (p, param), (exp_avg, m), (exp_avg_sq, v), (step, new_step))
+    return _unless(found_inf, g, applied, (p, param), (exp_avg, m), (exp_avg_sq, v), (step, new_step))
 
 
-def _sgd(g, p, lr, wd, inverse, found_inf, decays):
+def _sgd(g, factor, p, lr, wd, inverse, found_inf, decays):
     """One parameter's fused SGD update without momentum; the gradient to write back, the weight."""
     dtype = _opmath(p)
-    grad, param = g.to(dtype) * inverse.to(dtype), p.to(dtype)
+    applied = grad = _applied(g, factor, inverse, dtype)
+    param = p.to(dtype)
     if decays:
         grad = grad + param * wd.to(dtype)
-    return _unless(found_inf, g, inverse, (p, param - lr.to(dtype) * grad))
+    return _unless(found_inf, g, applied, (p, param - lr.to(dtype) * grad))
 
 
-def _momentum_sgd(g, p, buf, first, lr, momentum, dampening, wd, inverse, found_inf, nesterov, decays):
+def _momentum_sgd(g, factor, p, buf, first, lr, momentum, dampening, wd, inverse, found_inf, nesterov, decays):
     """One parameter's fused SGD update with momentum (``first``: the buffers are new, and start
     at the gradient, as at torch's first step); the gradient to write back, the weight, the buffer."""
     dtype = _opmath(p)
-    grad, param = g.to(dtype) * inverse.to(dtype), p.to(dtype)
+    applied = grad = _applied(g, factor, inverse, dtype)
+    param = p.to(dtype)
     if decays:
         grad = grad + param * wd.to(dtype)
     momentum = momentum.to(dtype)
     new_buf = torch.where(first != 0, grad, buf.to(dtype) * momentum + grad * (1 - dampening).to(dtype))
     grad = grad + new_buf * momentum if nesterov else new_buf
-    return _unless(found_inf, g, inverse, (p, param - lr.to(dtype) * grad), (buf, new_buf))
+    return _unless(found_inf, g, applied, (p, param - lr.to(dtype) * grad), (buf, new_buf))
 
 
 def _opmath(tensor: Any) -> torch.dtype:
@@ -461,8 +464,20 @@ def _opmath(tensor: Any) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
-def _unless(found_inf, g, inverse, *pairs):
-    """The gradient to write back and each pair's new value, unless ``found_inf``: then torch's
-    fused kernels leave the gradient scaled and every weight and state as it was."""
+def _applied(g, factor, inverse, dtype):
+    """The gradient the update applies, in ``dtype``: ``g`` times the factor left to the update
+    (``None``: none), first, as the unfolded path scales the gradient before the update, then
+    times the inverse loss scale."""
+    grad = g.to(dtype) if factor is None else g.to(dtype) * factor.to(dtype)
+    return grad * inverse.to(dtype)
+
+
+def _unless(found_inf, g, applied, *pairs):
+    """The gradient to write back (``applied``, in ``g``'s dtype) and each pair's new value,
+    unless ``found_inf``: then torch's fused kernels leave the gradient scaled and every
+    weight and state as it was."""
     skip = found_inf != 0
-    return (torch.where(skip, g, g * inverse), *(torch.where(skip, old, new.to(old.dtype)) for old, new in pairs))
+    return (
+        torch.where(skip, g, applied.to(g.dtype)),
+        *(torch.where(skip, old, new.to(old.dtype)) for old, new in pairs),
+    )
