@@ -885,9 +885,9 @@ class Backend:
         return list(dict.fromkeys(self._folds.optimizers() + self._updates.optimizers()))
 
     def runs_update_of(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether a program of fxgrad's runs ``optimizer``'s update (:meth:`fold` in step scope, or
-        with per-layer factors in graph scope)."""
-        return optimizer in self._updates
+        """Whether a program of fxgrad's runs ``optimizer``'s update at its steps now (:meth:`fold`,
+        and nothing since keeps it out: ``amsgrad`` set, step hooks of others)."""
+        return self._updates.runs(optimizer)
 
     def scaled_grads(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """``model``'s gradients as the optimizer applies them (no sync): while :meth:`fold` is on,

@@ -97,32 +97,34 @@ class Report:
         rows += [(r.name, r.type_name, str(r.numel), r.action) for r in self.layers]
         widths = [max(len(row[i]) for row in rows) for i in range(3)]
         lines = [f"policy: {self.backend.transform!r}"]
-        optimizers = self.backend.folded_into()
-        scaled = sorted({type(o).__name__ for o in optimizers if not self.backend.runs_update_of(o)})
-        if scaled:
-            lines.append(
-                f"folded into {', '.join(scaled)}: its update applies the global factor (stats: folded_factor); "
-                ".grad holds the gradient before it until the step (backend.scaled_grads gives it after)"
-            )
-        in_graph = self.backend.current_scope() == "graph"
-        left = (
-            "each layer's factor (stats: folded_factor/<layer>)"
-            if per_layer(self.backend.transform)
-            else ("the global factor (stats: folded_factor)")
-        )
-        for name in sorted({type(o).__name__ for o in optimizers if self.backend.runs_update_of(o)}):
-            lines.append(
-                f"folded into {name}: the backward leaves {left}, and a program runs {name}'s update with "
-                "it; .grad holds the gradient before it until the step (backend.scaled_grads gives it after)"
-                if in_graph
-                else f"folded into {name}: the step program runs {name}'s update on the gradients the policy "
-                "transforms (.grad holds them after the step, as torch's fused update leaves them)"
-            )
+        lines += sorted({self._folded_line(type(o).__name__, o) for o in self.backend.folded_into()})
         lines += [
             f"{name:<{widths[0]}}  {kind:<{widths[1]}}  {numel:>{widths[2]}}  {action}"
             for name, kind, numel, action in rows
         ]
         return "\n".join(line.rstrip() for line in lines)
+
+    def _folded_line(self, name: str, optimizer: torch.optim.Optimizer) -> str:
+        """What the fold into ``optimizer`` (of class ``name``) does now."""
+        layers = per_layer(self.backend.transform)
+        left = (
+            "each layer's factor (stats: folded_factor/<layer>)"
+            if layers
+            else "the global factor (stats: folded_factor)"
+        )
+        before = ".grad holds the gradient before it until the step (backend.scaled_grads gives it after)"
+        if not self.backend.runs_update_of(optimizer):
+            how = "a pass before its own step applies them" if layers else "its own step applies it (grad_scale)"
+            why = "amsgrad, maximize, step hooks of others, ..."
+            return f"folded into {name}, whose update no program can run now ({why}): {how}; {before}"
+        if self.backend.current_scope() == "graph":
+            return (
+                f"folded into {name}: the backward leaves {left}, and a program runs {name}'s update with it; {before}"
+            )
+        return (
+            f"folded into {name}: the step program runs {name}'s update on the gradients the policy transforms "
+            "(.grad holds them after the step, as torch's fused update leaves them)"
+        )
 
     def kernels_table(self) -> str:
         """Per compiled program, its kernel launches in order: the number of model nodes and

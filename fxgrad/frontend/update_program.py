@@ -119,6 +119,11 @@ class UpdateFolds:
         """The optimizers whose update the step program runs (while they live)."""
         return list(self._folded)
 
+    def runs(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the program would run ``optimizer``'s update at a step now (as far as the
+        optimizer says: its groups' flags and hooks)."""
+        return optimizer in self._folded and why_not(optimizer) is None and not foreign_hooks(optimizer)
+
     def add(self, optimizer: torch.optim.Optimizer, quiet: bool = False) -> None:
         """Run ``optimizer``'s update in the step program from its next step on (again: a no-op);
         ``quiet``: a step that cannot is not told (another fold takes it)."""
