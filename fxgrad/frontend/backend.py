@@ -355,7 +355,7 @@ class Backend:
         folded = self._folds.graphs_leave_factor and self.current_scope() == "graph"
         step_scope = self.current_scope() == "step"
         count_backwards = unwatched or (folded and graph.trains)
-        # what the backward leaves to the update: one global factor (grad_scale), or each layer's (the program's update)
+        # what the backward leaves to the update: one global factor, or each layer's
         fold: Fold = ("layers" if self._per_layer else "global") if folded else None
         # Step scope: backwards are watched until the policy first runs, to see a loop that never runs it.
         watch_steps = step_scope and self._step is not None and bool(graph.params)
@@ -849,7 +849,7 @@ class Backend:
             if why is None:
                 folding.claim(optimizer, self)
                 self._updates.add(optimizer)
-                if scope == "graph":  # the backward graphs leave each layer's factor, counted as a global one
+                if scope == "graph":  # Folds counts the backwards, each leaving its factors, and checks each step
                     self._folds.add(optimizer)
                 else:
                     self._step.arm()
