@@ -552,6 +552,19 @@ def test_graph_scope_keeps_the_policies_of_other_changes_in_the_backward(policy)
     assert_same_weights(model, expected)
 
 
+def test_graph_scope_names_a_model_called_twice_in_one_loss_when_it_refuses_the_step():
+    """A GAN's discriminator on the real and the fake batch, one backward: each call left its own
+    factors. The refusal listed accumulation and graph breaks, not this (a sweep found it)."""
+    model = mlp()
+    backend = fxgrad.backend(fxgrad.clip_by_norm(0.02), compiler="aot_eager")
+    optimizer = OPTIMIZERS["adamw"](model.parameters())
+    backend.fold(optimizer)
+    compiled = torch.compile(model, backend=backend)
+    (compiled(torch.randn(4, 8)).sum() - compiled(torch.randn(4, 8)).sum()).backward()
+    with pytest.raises(ValueError, match=r"a model called twice in one loss .*torch\.cat\(\[real, fake\]\)"):
+        optimizer.step()
+
+
 @pytest.mark.filterwarnings("ignore::fxgrad.CoverageWarning")  # the warning that a backward found .grad held
 def test_graph_scope_refuses_a_step_over_two_backwards_of_per_layer_factors():
     """Two micro-batches accumulated in ``.grad``: each backward left its own factors, which the

@@ -414,13 +414,14 @@ class Folds:
             raise ValueError(
                 f"fold in graph scope: {factors} backward passes through the compiled graphs since the last "
                 "step, and .grad does not hold the latest one's gradients alone (accumulated micro-batches, "
-                "a graph break, retain_graph, an adversarial attack's torch.autograd.grad after the backward, "
-                "a step skipped without zero_grad() or with zero_grad(set_to_none=False), a GAN's "
-                "generator step backpropagating through the discriminator: freeze it for that step, "
-                "requires_grad_(False), or one backend folded into the optimizers of two models: give each "
-                "model a backend of its own): each left its own factors, which the update cannot apply to "
-                "their sum. Use fxgrad.backend(..., scope='step'), which applies the factors of the whole step's "
-                "gradient, or do not fold."
+                "a graph break, a model called twice in one loss (a GAN's discriminator on the real and the "
+                "fake batch: call it once, on torch.cat([real, fake])), retain_graph, an adversarial "
+                "attack's torch.autograd.grad after the backward, a step skipped without zero_grad() or "
+                "with zero_grad(set_to_none=False), a GAN's generator step backpropagating through the "
+                "discriminator: freeze it for that step, requires_grad_(False), or one backend folded into "
+                "the optimizers of two models: give each model a backend of its own): each left its own "
+                "factors, which the update cannot apply to their sum. Use fxgrad.backend(..., scope='step'), "
+                "which applies the factors of the whole step's gradient, or do not fold."
             )
         return factors
 
