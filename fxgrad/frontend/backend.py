@@ -252,7 +252,7 @@ class Backend:
         self._per_layer = folding.per_layer(transform)  # its factors fold into a program's update only
         # graph scope, folded into a program's update: the parameters the graphs hold that an optimizer
         # steps (by the graphs' generation and its groups), and, by which have a gradient, those
-        # with one, the statistics of their factors and their routes (see _apply_left)
+        # with one, the statistics of their factors, their routes and the factors' offsets (see _apply_left)
         self._left_owners: tuple[tuple, list[Owner], dict[tuple, tuple]] = ((), [], {})
         self._held: tuple[int, dict[int, Owner]] = (-1, {})  # see _held_owners
         self._first_step_seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -1015,11 +1015,15 @@ class Backend:
         if found is None:  # the routes of their program (none), kept with them: see StepPrograms._routing
             owners = [owner for owner, has in zip(held, with_grad) if has]
             stats = [f"{FOLDED}/{o.layer}" for o in owners] if self._per_layer else [FOLDED] * len(owners)
-            found = by_grads[with_grad] = owners, stats, []
-        owners, stats, routes = found
+            found = owners, stats, [], None
+        owners, stats, routes, offsets = found
         if not owners:
             return
-        left = self.store.stat_places(stats, owners[0].tensor.device)
+        device = owners[0].tensor.device
+        if offsets is None or None in offsets:  # kept once every factor has its place (they stay put)
+            offsets = self.store.stat_offsets(stats, device)
+            by_grads[with_grad] = owners, stats, routes, offsets
+        left = self.store.stats_buffer(device), offsets
         update = self._updates.update(optimizer, owners, left)
         if update is not None and self._programs.run(routes, owners, self.store, None, update=update):
             self._updates.ran(optimizer)

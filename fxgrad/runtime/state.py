@@ -361,15 +361,18 @@ class StateStore:
                 return slots.view(key)
         raise KeyError(key)
 
-    def stat_places(self, keys: Sequence[str], device: torch.device) -> tuple[torch.Tensor, tuple[int | None, ...]]:
-        """The statistics' buffer on ``device``, live, and the offset of each of the 0-dim
-        statistics ``keys`` in it (``None`` for one not written there yet): what a program
-        reads them by, with no view per key."""
+    def stat_offsets(self, keys: Sequence[str], device: torch.device) -> tuple[int | None, ...]:
+        """The offset of each of the 0-dim statistics ``keys`` in :meth:`stats_buffer` (``None``
+        for one not written there yet): what a program reads them by, with no view per key. An
+        offset stays as it is: the buffer grows at its end."""
         slots = self._stats.get(device)
-        if slots is None:
-            return torch.zeros(1, dtype=torch.float64, device=device), (None,) * len(keys)
-        layout = slots.layout
-        return slots.buffer, tuple(layout[key][0] if key in layout else None for key in keys)
+        layout = slots.layout if slots is not None else {}
+        return tuple(layout[key][0] if key in layout else None for key in keys)
+
+    def stats_buffer(self, device: torch.device) -> torch.Tensor:
+        """The statistics' buffer on ``device``, live (a new tensor once it grows)."""
+        slots = self._stats.get(device)
+        return slots.buffer if slots is not None else torch.zeros(1, dtype=torch.float64, device=device)
 
     def keyed_by_layer(self) -> bool:
         """Whether some state or statistic is kept under a layer's or a parameter's name."""
